@@ -1,0 +1,409 @@
+//! The MoE layer's description, validated once at construction.
+
+use crate::format::WeightFormat;
+use std::fmt;
+use std::str::FromStr;
+
+/// Largest expert count the decode kernels' shared-memory routing tables hold.
+pub const MAX_EXPERTS: u32 = 1024;
+/// Largest top-k the kernels accept (routing is staged in shared memory).
+pub const MAX_TOP_K: u32 = 32;
+
+/// Why a spec was refused. Every message names the field, what came and what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("`{field}` must be greater than zero")]
+    Zero { field: &'static str },
+    #[error("top_k = {top_k} exceeds experts = {experts}")]
+    TopKExceedsExperts { top_k: u32, experts: u32 },
+    #[error("`{field}` = {value} exceeds the supported maximum {max}")]
+    TooLarge {
+        field: &'static str,
+        value: u32,
+        max: u32,
+    },
+    #[error("`{field}` = {value} is not a multiple of {divisor} ({why})")]
+    NotDivisible {
+        field: &'static str,
+        value: u32,
+        divisor: u32,
+        why: &'static str,
+    },
+    #[error("unknown {what} `{got}`; expected one of: {expected}")]
+    Unknown {
+        what: &'static str,
+        got: String,
+        expected: &'static str,
+    },
+    #[error("activation dtype {act} does not go with weight format {format}: {why}")]
+    ActDtypeMismatch {
+        act: ActDtype,
+        format: WeightFormat,
+        why: &'static str,
+    },
+}
+
+/// The gated activation applied between the up and down projections: `act(gate) * up`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up` (Qwen, Mixtral, OLMoE, DeepSeek).
+    Silu,
+    /// GeGLU with the tanh approximation: `gelu_tanh(gate) * up`.
+    GeluTanh,
+}
+
+impl Activation {
+    pub const ALL: [Activation; 2] = [Activation::Silu, Activation::GeluTanh];
+    pub const fn name(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu",
+            Activation::GeluTanh => "gelu_tanh",
+        }
+    }
+    /// f64 reference of the activation.
+    pub fn eval(self, g: f64) -> f64 {
+        match self {
+            Activation::Silu => g / (1.0 + (-g).exp()),
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh())
+            }
+        }
+    }
+}
+
+/// Element type of the activations `x` and the output `y`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum ActDtype {
+    Bf16,
+    Fp16,
+}
+
+impl ActDtype {
+    pub const ALL: [ActDtype; 2] = [ActDtype::Bf16, ActDtype::Fp16];
+    pub const fn name(self) -> &'static str {
+        match self {
+            ActDtype::Bf16 => "bf16",
+            ActDtype::Fp16 => "fp16",
+        }
+    }
+    /// The CUDA C type name.
+    pub const fn cuda_type(self) -> &'static str {
+        match self {
+            ActDtype::Bf16 => "__nv_bfloat16",
+            ActDtype::Fp16 => "__half",
+        }
+    }
+    /// Round an f32 to this dtype and back, as the device stores it.
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            ActDtype::Bf16 => half::bf16::from_f32(v).to_f32(),
+            ActDtype::Fp16 => half::f16::from_f32(v).to_f32(),
+        }
+    }
+}
+
+/// A GPU target. The `a` suffix is the arch-specific feature set (wgmma, setmaxnreg, tcgen05...).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum Arch {
+    /// Hopper: H100, H200.
+    Sm90a,
+    /// Datacenter Blackwell: B200, GB200.
+    Sm100a,
+    /// Consumer / workstation Blackwell: RTX PRO 6000, RTX 50xx.
+    Sm120a,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 3] = [Arch::Sm90a, Arch::Sm100a, Arch::Sm120a];
+    /// The NVRTC `--gpu-architecture` value.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Arch::Sm90a => "sm_90a",
+            Arch::Sm100a => "sm_100a",
+            Arch::Sm120a => "sm_120a",
+        }
+    }
+    /// The arch to build for on a device of this compute capability, if moeforge targets it.
+    pub fn from_compute_capability(major: i32, minor: i32) -> Option<Arch> {
+        match (major, minor) {
+            (9, 0) => Some(Arch::Sm90a),
+            (10, 0) => Some(Arch::Sm100a),
+            (12, 0) => Some(Arch::Sm120a),
+            _ => None,
+        }
+    }
+}
+
+/// The kernel families one spec can be rendered into.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[non_exhaustive]
+pub enum KernelFamily {
+    /// Output-centric decode: one warp per output element, two kernels (gate_up, down).
+    WarpDecode,
+}
+
+impl KernelFamily {
+    pub const ALL: [KernelFamily; 1] = [KernelFamily::WarpDecode];
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelFamily::WarpDecode => "warp_decode",
+        }
+    }
+}
+
+macro_rules! named_enum_parse {
+    ($ty:ty, $what:literal, $expected:literal) => {
+        impl FromStr for $ty {
+            type Err = SpecError;
+            fn from_str(s: &str) -> Result<Self, SpecError> {
+                <$ty>::ALL
+                    .into_iter()
+                    .find(|v| v.name() == s)
+                    .ok_or_else(|| SpecError::Unknown {
+                        what: $what,
+                        got: s.to_string(),
+                        expected: $expected,
+                    })
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+named_enum_parse!(Activation, "activation", "silu, gelu_tanh");
+named_enum_parse!(ActDtype, "activation dtype", "bf16, fp16");
+named_enum_parse!(Arch, "arch", "sm_90a, sm_100a, sm_120a");
+named_enum_parse!(KernelFamily, "kernel family", "warp_decode");
+
+/// The geometry and number formats of one MoE layer. Construct with [`MoeSpec::new`] or
+/// [`MoeSpec::builder`]; a value of this type is always valid.
+///
+/// Weight layout (the vLLM / Hugging Face convention, row-major, contiguous):
+/// - `w13`: `[experts, 2 * intermediate, hidden]`, the gate rows `0..I` first, then the up rows `I..2I`;
+/// - `w2`: `[experts, hidden, intermediate]`.
+///
+/// For each token `t` routed to experts `e_s` with weights `r_s`:
+/// `y[t] = sum_s r_s * w2[e_s] @ (act(w13[e_s][..I] @ x[t]) * (w13[e_s][I..] @ x[t]))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct MoeSpec {
+    hidden: u32,
+    intermediate: u32,
+    experts: u32,
+    top_k: u32,
+    activation: Activation,
+    weight_format: WeightFormat,
+    act_dtype: ActDtype,
+}
+
+impl MoeSpec {
+    /// A spec with SiLU and the format's default activation dtype.
+    pub const fn builder(
+        hidden: u32,
+        intermediate: u32,
+        experts: u32,
+        top_k: u32,
+    ) -> MoeSpecBuilder {
+        MoeSpecBuilder {
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+            activation: Activation::Silu,
+            weight_format: WeightFormat::Bf16,
+            act_dtype: None,
+        }
+    }
+
+    /// Validate and build. `const` so that `#[moe_kernel]` runs the very same checks at compile time.
+    pub const fn new(
+        hidden: u32,
+        intermediate: u32,
+        experts: u32,
+        top_k: u32,
+        activation: Activation,
+        weight_format: WeightFormat,
+        act_dtype: ActDtype,
+    ) -> Result<MoeSpec, SpecError> {
+        if hidden == 0 {
+            return Err(SpecError::Zero { field: "hidden" });
+        }
+        if intermediate == 0 {
+            return Err(SpecError::Zero {
+                field: "intermediate",
+            });
+        }
+        if experts == 0 {
+            return Err(SpecError::Zero { field: "experts" });
+        }
+        if top_k == 0 {
+            return Err(SpecError::Zero { field: "top_k" });
+        }
+        if experts > MAX_EXPERTS {
+            return Err(SpecError::TooLarge {
+                field: "experts",
+                value: experts,
+                max: MAX_EXPERTS,
+            });
+        }
+        if top_k > experts {
+            return Err(SpecError::TopKExceedsExperts { top_k, experts });
+        }
+        if top_k > MAX_TOP_K {
+            return Err(SpecError::TooLarge {
+                field: "top_k",
+                value: top_k,
+                max: MAX_TOP_K,
+            });
+        }
+        // Every kernel streams weight rows in 16-byte vectors and reads activations in matching
+        // runs, so both reduction axes must hold whole vectors.
+        let vec = weight_format.elems_per_16b();
+        if hidden % vec != 0 {
+            return Err(SpecError::NotDivisible {
+                field: "hidden",
+                value: hidden,
+                divisor: vec,
+                why: "the weight format's 16-byte vector width",
+            });
+        }
+        if intermediate % vec != 0 {
+            return Err(SpecError::NotDivisible {
+                field: "intermediate",
+                value: intermediate,
+                divisor: vec,
+                why: "the weight format's 16-byte vector width",
+            });
+        }
+        if let WeightFormat::Fp16 = weight_format {
+            if let ActDtype::Bf16 = act_dtype {
+                return Err(SpecError::ActDtypeMismatch {
+                    act: act_dtype,
+                    format: weight_format,
+                    why: "fp16 weights take fp16 activations",
+                });
+            }
+        }
+        Ok(MoeSpec {
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+            activation,
+            weight_format,
+            act_dtype,
+        })
+    }
+
+    pub const fn hidden(&self) -> u32 {
+        self.hidden
+    }
+    pub const fn intermediate(&self) -> u32 {
+        self.intermediate
+    }
+    pub const fn experts(&self) -> u32 {
+        self.experts
+    }
+    pub const fn top_k(&self) -> u32 {
+        self.top_k
+    }
+    pub const fn activation(&self) -> Activation {
+        self.activation
+    }
+    pub const fn weight_format(&self) -> WeightFormat {
+        self.weight_format
+    }
+    pub const fn act_dtype(&self) -> ActDtype {
+        self.act_dtype
+    }
+
+    /// Elements of `w13` (all experts).
+    pub const fn w13_elems(&self) -> usize {
+        self.experts as usize * 2 * self.intermediate as usize * self.hidden as usize
+    }
+    /// Elements of `w2` (all experts).
+    pub const fn w2_elems(&self) -> usize {
+        self.experts as usize * self.hidden as usize * self.intermediate as usize
+    }
+    /// Bytes one expert's weights (w13 + w2, scales included) occupy.
+    pub fn expert_bytes(&self) -> usize {
+        let f = self.weight_format;
+        let (h, i) = (self.hidden as usize, self.intermediate as usize);
+        f.bytes_for(2 * i, h) + f.bytes_for(h, i)
+    }
+
+    /// A short, file-name-safe id of the spec, e.g. `h2048_i768_e128_k8_bf16_bf16_silu`.
+    pub fn id(&self) -> String {
+        format!(
+            "h{}_i{}_e{}_k{}_{}_{}_{}",
+            self.hidden,
+            self.intermediate,
+            self.experts,
+            self.top_k,
+            self.weight_format,
+            self.act_dtype,
+            self.activation
+        )
+    }
+}
+
+/// Builder for [`MoeSpec`] with defaults: SiLU, bf16 weights, the format's activation dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeSpecBuilder {
+    hidden: u32,
+    intermediate: u32,
+    experts: u32,
+    top_k: u32,
+    activation: Activation,
+    weight_format: WeightFormat,
+    act_dtype: Option<ActDtype>,
+}
+
+impl MoeSpecBuilder {
+    pub const fn activation(mut self, a: Activation) -> Self {
+        self.activation = a;
+        self
+    }
+    pub const fn weight_format(mut self, f: WeightFormat) -> Self {
+        self.weight_format = f;
+        self
+    }
+    pub const fn act_dtype(mut self, d: ActDtype) -> Self {
+        self.act_dtype = Some(d);
+        self
+    }
+    pub const fn build(self) -> Result<MoeSpec, SpecError> {
+        let act = match self.act_dtype {
+            Some(d) => d,
+            None => self.weight_format.default_act_dtype(),
+        };
+        MoeSpec::new(
+            self.hidden,
+            self.intermediate,
+            self.experts,
+            self.top_k,
+            self.activation,
+            self.weight_format,
+            act,
+        )
+    }
+}
+
+/// The reference geometries every variant is checked against (`moe-jit check`, tests).
+pub const REFERENCE_GEOMETRIES: [(&str, u32, u32, u32, u32); 4] = [
+    ("qwen3-30b-a3b", 2048, 768, 128, 8),
+    ("mixtral-8x7b", 4096, 14336, 8, 2),
+    ("olmoe", 2048, 1024, 64, 8),
+    ("gpt-oss-20b", 2880, 2880, 32, 4),
+];

@@ -1,0 +1,1 @@
+pub use moe_codegen as codegen;

@@ -1,0 +1,54 @@
+// moeforge common device helpers: loads, reductions, programmatic dependent launch.
+// Templates note: never write an opening brace directly followed by a percent sign (askama syntax).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#define MOE_FULL_MASK 0xffffffffu
+
+// Weights are streamed exactly once per step: skip L1 so the small activation vectors,
+// which every warp of the SM re-reads, keep it.
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
+    return v;
+}
+
+// Programmatic dependent launch (sm_90+): the next kernel in the stream may start its
+// prologue while this one drains; it must call pdl_wait() before reading what we wrote.
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// Eight 16-bit activations packed in a uint4, widened to fp32.
+__device__ __forceinline__ void widen8(const uint4 v, const __nv_bfloat16*, float (&a)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(h[i]);
+        a[2 * i] = f.x;
+        a[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void widen8(const uint4 v, const __half*, float (&a)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __half22float2(h[i]);
+        a[2 * i] = f.x;
+        a[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ __nv_bfloat16 narrow(float v, const __nv_bfloat16*) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __half narrow(float v, const __half*) { return __float2half_rn(v); }
