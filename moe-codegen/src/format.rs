@@ -7,9 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// How expert weights are stored on the device.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum WeightFormat {
     /// bfloat16, no scales.
@@ -24,17 +22,10 @@ pub enum WeightFormat {
 /// Why quantization refused its input.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QuantError {
-    #[error(
-        "weight at row {row}, column {col} is {value}: NaN and infinities cannot be quantized"
-    )]
+    #[error("weight at row {row}, column {col} is {value}: NaN and infinities cannot be quantized")]
     NonFinite { row: usize, col: usize, value: f32 },
     #[error("expected {expected} values for a {rows}x{cols} matrix, got {got}")]
-    Shape {
-        rows: usize,
-        cols: usize,
-        expected: usize,
-        got: usize,
-    },
+    Shape { rows: usize, cols: usize, expected: usize, got: usize },
 }
 
 /// A quantized `[rows, cols]` matrix: raw element bytes plus per-row scales (empty if none).
@@ -47,11 +38,7 @@ pub struct Packed {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 3] = [
-        WeightFormat::Bf16,
-        WeightFormat::Fp16,
-        WeightFormat::Fp8E4m3,
-    ];
+    pub const ALL: [WeightFormat; 3] = [WeightFormat::Bf16, WeightFormat::Fp16, WeightFormat::Fp8E4m3];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -91,33 +78,14 @@ impl WeightFormat {
     /// Quantize a row-major `[rows, cols]` f32 matrix.
     pub fn quantize(self, rows: usize, cols: usize, w: &[f32]) -> Result<Packed, QuantError> {
         if w.len() != rows * cols {
-            return Err(QuantError::Shape {
-                rows,
-                cols,
-                expected: rows * cols,
-                got: w.len(),
-            });
+            return Err(QuantError::Shape { rows, cols, expected: rows * cols, got: w.len() });
         }
         if let Some(i) = w.iter().position(|v| !v.is_finite()) {
-            return Err(QuantError::NonFinite {
-                row: i / cols.max(1),
-                col: i % cols.max(1),
-                value: w[i],
-            });
+            return Err(QuantError::NonFinite { row: i / cols.max(1), col: i % cols.max(1), value: w[i] });
         }
         let (data, scales) = match self {
-            WeightFormat::Bf16 => (
-                w.iter()
-                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                    .collect(),
-                vec![],
-            ),
-            WeightFormat::Fp16 => (
-                w.iter()
-                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-                    .collect(),
-                vec![],
-            ),
+            WeightFormat::Bf16 => (w.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(), vec![]),
+            WeightFormat::Fp16 => (w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(), vec![]),
             WeightFormat::Fp8E4m3 => {
                 let mut data = Vec::with_capacity(w.len());
                 let mut scales = Vec::with_capacity(rows);
@@ -130,34 +98,22 @@ impl WeightFormat {
                 (data, scales)
             }
         };
-        Ok(Packed {
-            rows,
-            cols,
-            data,
-            scales,
-        })
+        Ok(Packed { rows, cols, data, scales })
     }
 
     /// Dequantize to f32 exactly as the kernels do (element value times row scale, in f32).
     pub fn dequantize(self, p: &Packed) -> Vec<f32> {
         let cols = p.cols.max(1);
         match self {
-            WeightFormat::Bf16 => p
-                .data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            WeightFormat::Fp16 => p
-                .data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            WeightFormat::Fp8E4m3 => p
-                .data
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| e4m3_to_f32(b) * p.scales[i / cols])
-                .collect(),
+            WeightFormat::Bf16 => {
+                p.data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            WeightFormat::Fp16 => {
+                p.data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            WeightFormat::Fp8E4m3 => {
+                p.data.iter().enumerate().map(|(i, &b)| e4m3_to_f32(b) * p.scales[i / cols]).collect()
+            }
         }
     }
 }
@@ -165,14 +121,11 @@ impl WeightFormat {
 impl FromStr for WeightFormat {
     type Err = SpecError;
     fn from_str(s: &str) -> Result<Self, SpecError> {
-        WeightFormat::ALL
-            .into_iter()
-            .find(|v| v.name() == s)
-            .ok_or_else(|| SpecError::Unknown {
-                what: "weight format",
-                got: s.to_string(),
-                expected: "bf16, fp16, fp8_e4m3",
-            })
+        WeightFormat::ALL.into_iter().find(|v| v.name() == s).ok_or_else(|| SpecError::Unknown {
+            what: "weight format",
+            got: s.to_string(),
+            expected: "bf16, fp16, fp8_e4m3",
+        })
     }
 }
 
@@ -193,11 +146,7 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     if e == 15 && b & 7 == 7 {
         return f32::NAN;
     }
-    let mag = if e == 0 {
-        m / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    };
+    let mag = if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) };
     sign * mag
 }
 
@@ -222,11 +171,7 @@ pub fn e4m3_from_f32(v: f32) -> u8 {
         }
     }
     let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
-    let code = if dl < dh || (dl == dh && lo & 1 == 0) {
-        lo
-    } else {
-        hi
-    };
+    let code = if dl < dh || (dl == dh && lo & 1 == 0) { lo } else { hi };
     sign | code
 }
 
@@ -262,9 +207,7 @@ mod tests {
     #[test]
     fn fp8_quantize_is_close_and_per_row() {
         let (rows, cols) = (3, 64);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * (1 + i / cols) as f32)
-            .collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * (1 + i / cols) as f32).collect();
         let p = WeightFormat::Fp8E4m3.quantize(rows, cols, &w).unwrap();
         assert_eq!(p.scales.len(), rows);
         let d = WeightFormat::Fp8E4m3.dequantize(&p);
@@ -280,37 +223,18 @@ mod tests {
     fn zero_rows_get_unit_scale() {
         let p = WeightFormat::Fp8E4m3.quantize(2, 16, &[0.0; 32]).unwrap();
         assert_eq!(p.scales, vec![1.0, 1.0]);
-        assert!(WeightFormat::Fp8E4m3
-            .dequantize(&p)
-            .iter()
-            .all(|&v| v == 0.0));
+        assert!(WeightFormat::Fp8E4m3.dequantize(&p).iter().all(|&v| v == 0.0));
     }
 
     #[test]
     fn non_finite_and_bad_shapes_are_refused() {
         let mut w = vec![1.0f32; 32];
         w[17] = f32::NAN;
-        assert!(matches!(
-            WeightFormat::Bf16.quantize(2, 16, &w),
-            Err(QuantError::NonFinite { row: 1, col: 1, .. })
-        ));
-        assert!(matches!(
-            WeightFormat::Fp8E4m3.quantize(2, 16, &w),
-            Err(QuantError::NonFinite { row: 1, col: 1, .. })
-        ));
+        assert!(matches!(WeightFormat::Bf16.quantize(2, 16, &w), Err(QuantError::NonFinite { row: 1, col: 1, .. })));
+        assert!(matches!(WeightFormat::Fp8E4m3.quantize(2, 16, &w), Err(QuantError::NonFinite { row: 1, col: 1, .. })));
         w[17] = f32::INFINITY;
-        assert!(matches!(
-            WeightFormat::Fp16.quantize(2, 16, &w),
-            Err(QuantError::NonFinite { .. })
-        ));
-        assert!(matches!(
-            WeightFormat::Bf16.quantize(3, 16, &w),
-            Err(QuantError::Shape {
-                expected: 48,
-                got: 32,
-                ..
-            })
-        ));
+        assert!(matches!(WeightFormat::Fp16.quantize(2, 16, &w), Err(QuantError::NonFinite { .. })));
+        assert!(matches!(WeightFormat::Bf16.quantize(3, 16, &w), Err(QuantError::Shape { expected: 48, got: 32, .. })));
     }
 
     #[test]

@@ -9,10 +9,6 @@ pub mod spec;
 
 pub use format::{Packed, QuantError, WeightFormat};
 pub use render::{
-    render, render_warp_decode, routing_smem_bytes, variants, CodegenError, DecodeTiles,
-    KernelSource, TOKEN_TILES,
+    render, render_warp_decode, routing_smem_bytes, variants, CodegenError, DecodeTiles, KernelSource, TOKEN_TILES,
 };
-pub use spec::{
-    ActDtype, Activation, Arch, KernelFamily, MoeSpec, MoeSpecBuilder, SpecError,
-    REFERENCE_GEOMETRIES,
-};
+pub use spec::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, MoeSpecBuilder, SpecError, REFERENCE_GEOMETRIES};

@@ -10,11 +10,7 @@ pub enum CodegenError {
     #[error("template rendering failed: {0}")]
     Template(String),
     #[error("{family} does not support {what} on {arch}")]
-    Unsupported {
-        family: KernelFamily,
-        arch: Arch,
-        what: String,
-    },
+    Unsupported { family: KernelFamily, arch: Arch, what: String },
 }
 
 /// Launch-shape constants of the warp-decode family. They are template constants, so they are
@@ -41,20 +37,12 @@ impl DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let vpl_i = (spec.intermediate() / vec).div_ceil(32);
-        DecodeTiles {
-            warps: 8,
-            gu_chunk: vpl_h.min(8),
-            dn_chunk: vpl_i.min(4),
-            dn_experts: 2,
-        }
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(8), dn_chunk: vpl_i.min(4), dn_experts: 2 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
     pub fn token_tile(m: u32) -> u32 {
-        TOKEN_TILES
-            .into_iter()
-            .find(|&t| t >= m)
-            .unwrap_or(TOKEN_TILES[TOKEN_TILES.len() - 1])
+        TOKEN_TILES.into_iter().find(|&t| t >= m).unwrap_or(TOKEN_TILES[TOKEN_TILES.len() - 1])
     }
 }
 
@@ -89,22 +77,14 @@ struct WarpDecodeCu {
 }
 
 /// Render one kernel family of a spec for an arch.
-pub fn render(
-    spec: &MoeSpec,
-    family: KernelFamily,
-    arch: Arch,
-) -> Result<KernelSource, CodegenError> {
+pub fn render(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Result<KernelSource, CodegenError> {
     match family {
         KernelFamily::WarpDecode => render_warp_decode(spec, arch, DecodeTiles::for_spec(spec)),
     }
 }
 
 /// Render the warp-decode family with explicit tiles.
-pub fn render_warp_decode(
-    spec: &MoeSpec,
-    arch: Arch,
-    tiles: DecodeTiles,
-) -> Result<KernelSource, CodegenError> {
+pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
     let t = WarpDecodeCu {
         spec_id: spec.id(),
         hidden: spec.hidden(),
@@ -120,13 +100,9 @@ pub fn render_warp_decode(
         dn_experts: tiles.dn_experts,
         token_tiles: TOKEN_TILES,
     };
-    let source = t
-        .render()
-        .map_err(|e| CodegenError::Template(e.to_string()))?;
-    let entry_points = TOKEN_TILES
-        .iter()
-        .flat_map(|mt| [format!("moe_gate_up_t{mt}"), format!("moe_down_t{mt}")])
-        .collect();
+    let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
+    let entry_points =
+        TOKEN_TILES.iter().flat_map(|mt| [format!("moe_gate_up_t{mt}"), format!("moe_down_t{mt}")]).collect();
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
@@ -144,17 +120,10 @@ pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
 }
 
 /// Every (family, format) variant for a geometry, as specs (used by `moe-jit check` and tests).
-pub fn variants(
-    hidden: u32,
-    intermediate: u32,
-    experts: u32,
-    top_k: u32,
-) -> Vec<(MoeSpec, KernelFamily)> {
+pub fn variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> Vec<(MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for format in WeightFormat::ALL {
-        let spec = MoeSpec::builder(hidden, intermediate, experts, top_k)
-            .weight_format(format)
-            .build();
+        let spec = MoeSpec::builder(hidden, intermediate, experts, top_k).weight_format(format).build();
         if let Ok(spec) = spec {
             for family in KernelFamily::ALL {
                 out.push((spec, family));
@@ -170,20 +139,12 @@ mod tests {
     use crate::spec::{ActDtype, REFERENCE_GEOMETRIES};
 
     fn qwen(format: WeightFormat) -> MoeSpec {
-        MoeSpec::builder(2048, 768, 128, 8)
-            .weight_format(format)
-            .build()
-            .unwrap()
+        MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap()
     }
 
     #[test]
     fn geometry_is_baked_in_as_constants() {
-        let k = render(
-            &qwen(WeightFormat::Bf16),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        )
-        .unwrap();
+        let k = render(&qwen(WeightFormat::Bf16), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
         for needle in [
             "constexpr int HIDDEN = 2048;",
             "constexpr int INTER = 768;",
@@ -196,42 +157,25 @@ mod tests {
             assert!(k.source.contains(needle), "missing {needle}");
         }
         for ep in &k.entry_points {
-            assert!(
-                k.source
-                    .contains(&format!("void __launch_bounds__(WARPS * 32) {ep}(")),
-                "{ep}"
-            );
+            assert!(k.source.contains(&format!("void __launch_bounds__(WARPS * 32) {ep}(")), "{ep}");
         }
         assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
     }
 
     #[test]
     fn format_picks_its_include_and_nothing_else() {
-        let fp8 = render(
-            &qwen(WeightFormat::Fp8E4m3),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        )
-        .unwrap();
+        let fp8 = render(&qwen(WeightFormat::Fp8E4m3), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
         assert!(fp8.source.contains("constexpr int W_VEC = 16;"));
         assert!(fp8.source.contains("__NV_E4M3"));
         assert_eq!(fp8.source.matches("constexpr int W_VEC").count(), 1);
-        let fp16 = render(
-            &qwen(WeightFormat::Fp16),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        )
-        .unwrap();
+        let fp16 = render(&qwen(WeightFormat::Fp16), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
         assert!(fp16.source.contains("typedef __half act_t;"));
         assert!(!fp16.source.contains("__NV_E4M3"));
     }
 
     #[test]
     fn activation_is_rendered() {
-        let spec = MoeSpec::builder(512, 256, 8, 2)
-            .activation(Activation::GeluTanh)
-            .build()
-            .unwrap();
+        let spec = MoeSpec::builder(512, 256, 8, 2).activation(Activation::GeluTanh).build().unwrap();
         let k = render(&spec, KernelFamily::WarpDecode, Arch::Sm120a).unwrap();
         assert!(k.source.contains("tanhf"));
         assert!(!k.source.contains("__expf(-g)"));
@@ -239,24 +183,10 @@ mod tests {
 
     #[test]
     fn rendering_is_deterministic_and_spec_sensitive() {
-        let a = render(
-            &qwen(WeightFormat::Bf16),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        )
-        .unwrap();
-        let b = render(
-            &qwen(WeightFormat::Bf16),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        )
-        .unwrap();
+        let a = render(&qwen(WeightFormat::Bf16), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
+        let b = render(&qwen(WeightFormat::Bf16), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
         assert_eq!(a, b);
-        let c = render(
-            &MoeSpec::builder(2048, 768, 64, 8).build().unwrap(),
-            KernelFamily::WarpDecode,
-            Arch::Sm90a,
-        );
+        let c = render(&MoeSpec::builder(2048, 768, 64, 8).build().unwrap(), KernelFamily::WarpDecode, Arch::Sm90a);
         assert_ne!(a.source, c.unwrap().source);
     }
 

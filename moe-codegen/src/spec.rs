@@ -17,36 +17,17 @@ pub enum SpecError {
     #[error("top_k = {top_k} exceeds experts = {experts}")]
     TopKExceedsExperts { top_k: u32, experts: u32 },
     #[error("`{field}` = {value} exceeds the supported maximum {max}")]
-    TooLarge {
-        field: &'static str,
-        value: u32,
-        max: u32,
-    },
+    TooLarge { field: &'static str, value: u32, max: u32 },
     #[error("`{field}` = {value} is not a multiple of {divisor} ({why})")]
-    NotDivisible {
-        field: &'static str,
-        value: u32,
-        divisor: u32,
-        why: &'static str,
-    },
+    NotDivisible { field: &'static str, value: u32, divisor: u32, why: &'static str },
     #[error("unknown {what} `{got}`; expected one of: {expected}")]
-    Unknown {
-        what: &'static str,
-        got: String,
-        expected: &'static str,
-    },
+    Unknown { what: &'static str, got: String, expected: &'static str },
     #[error("activation dtype {act} does not go with weight format {format}: {why}")]
-    ActDtypeMismatch {
-        act: ActDtype,
-        format: WeightFormat,
-        why: &'static str,
-    },
+    ActDtypeMismatch { act: ActDtype, format: WeightFormat, why: &'static str },
 }
 
 /// The gated activation applied between the up and down projections: `act(gate) * up`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Activation {
     /// SwiGLU: `silu(gate) * up` (Qwen, Mixtral, OLMoE, DeepSeek).
     Silu,
@@ -75,9 +56,7 @@ impl Activation {
 }
 
 /// Element type of the activations `x` and the output `y`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum ActDtype {
     Bf16,
     Fp16,
@@ -108,9 +87,7 @@ impl ActDtype {
 }
 
 /// A GPU target. The `a` suffix is the arch-specific feature set (wgmma, setmaxnreg, tcgen05...).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
     /// Hopper: H100, H200.
     Sm90a,
@@ -142,9 +119,7 @@ impl Arch {
 }
 
 /// The kernel families one spec can be rendered into.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum KernelFamily {
     /// Output-centric decode: one warp per output element, two kernels (gate_up, down).
@@ -165,14 +140,11 @@ macro_rules! named_enum_parse {
         impl FromStr for $ty {
             type Err = SpecError;
             fn from_str(s: &str) -> Result<Self, SpecError> {
-                <$ty>::ALL
-                    .into_iter()
-                    .find(|v| v.name() == s)
-                    .ok_or_else(|| SpecError::Unknown {
-                        what: $what,
-                        got: s.to_string(),
-                        expected: $expected,
-                    })
+                <$ty>::ALL.into_iter().find(|v| v.name() == s).ok_or_else(|| SpecError::Unknown {
+                    what: $what,
+                    got: s.to_string(),
+                    expected: $expected,
+                })
             }
         }
         impl fmt::Display for $ty {
@@ -209,12 +181,7 @@ pub struct MoeSpec {
 
 impl MoeSpec {
     /// A spec with SiLU and the format's default activation dtype.
-    pub const fn builder(
-        hidden: u32,
-        intermediate: u32,
-        experts: u32,
-        top_k: u32,
-    ) -> MoeSpecBuilder {
+    pub const fn builder(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> MoeSpecBuilder {
         MoeSpecBuilder {
             hidden,
             intermediate,
@@ -240,9 +207,7 @@ impl MoeSpec {
             return Err(SpecError::Zero { field: "hidden" });
         }
         if intermediate == 0 {
-            return Err(SpecError::Zero {
-                field: "intermediate",
-            });
+            return Err(SpecError::Zero { field: "intermediate" });
         }
         if experts == 0 {
             return Err(SpecError::Zero { field: "experts" });
@@ -251,21 +216,13 @@ impl MoeSpec {
             return Err(SpecError::Zero { field: "top_k" });
         }
         if experts > MAX_EXPERTS {
-            return Err(SpecError::TooLarge {
-                field: "experts",
-                value: experts,
-                max: MAX_EXPERTS,
-            });
+            return Err(SpecError::TooLarge { field: "experts", value: experts, max: MAX_EXPERTS });
         }
         if top_k > experts {
             return Err(SpecError::TopKExceedsExperts { top_k, experts });
         }
         if top_k > MAX_TOP_K {
-            return Err(SpecError::TooLarge {
-                field: "top_k",
-                value: top_k,
-                max: MAX_TOP_K,
-            });
+            return Err(SpecError::TooLarge { field: "top_k", value: top_k, max: MAX_TOP_K });
         }
         // Every kernel streams weight rows in 16-byte vectors and reads activations in matching
         // runs, so both reduction axes must hold whole vectors.
@@ -295,15 +252,7 @@ impl MoeSpec {
                 });
             }
         }
-        Ok(MoeSpec {
-            hidden,
-            intermediate,
-            experts,
-            top_k,
-            activation,
-            weight_format,
-            act_dtype,
-        })
+        Ok(MoeSpec { hidden, intermediate, experts, top_k, activation, weight_format, act_dtype })
     }
 
     pub const fn hidden(&self) -> u32 {
@@ -388,15 +337,7 @@ impl MoeSpecBuilder {
             Some(d) => d,
             None => self.weight_format.default_act_dtype(),
         };
-        MoeSpec::new(
-            self.hidden,
-            self.intermediate,
-            self.experts,
-            self.top_k,
-            self.activation,
-            self.weight_format,
-            act,
-        )
+        MoeSpec::new(self.hidden, self.intermediate, self.experts, self.top_k, self.activation, self.weight_format, act)
     }
 }
 
