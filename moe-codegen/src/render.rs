@@ -101,15 +101,23 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
-    let entry_points =
-        TOKEN_TILES.iter().flat_map(|mt| [format!("moe_gate_up_t{mt}"), format!("moe_down_t{mt}")]).collect();
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
         name: format!("{}_{}", KernelFamily::WarpDecode, spec.id()),
         source,
-        entry_points,
+        entry_points: entry_points(KernelFamily::WarpDecode),
     })
+}
+
+/// The `extern "C"` entry points a family's rendered module defines: the list [`render`] puts in
+/// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
+pub fn entry_points(family: KernelFamily) -> Vec<String> {
+    match family {
+        KernelFamily::WarpDecode => {
+            TOKEN_TILES.iter().flat_map(|mt| [format!("moe_gate_up_t{mt}"), format!("moe_down_t{mt}")]).collect()
+        }
+    }
 }
 
 /// Shared-memory bytes the routing tables of a step of `m` tokens need (mirrors `routing.cuh`).
