@@ -1,1 +1,91 @@
-//! The `#[moe_kernel]` attribute (see its own issue); this crate is the macro's home.
+//! The `#[moe_kernel]` attribute macro of moeforge. Use it through the facade, `moeforge::moe_kernel`:
+//! the code it generates names `::moeforge::codegen` and `::moeforge::runtime`.
+
+use proc_macro::TokenStream;
+
+mod args;
+mod expand;
+
+/// Declare an MoE layer: the spec is checked and its CUDA kernels are rendered when the macro
+/// expands, so a bad geometry is a compile error and the binary carries exactly the source it JITs.
+///
+/// ```
+/// use moeforge::{moe_kernel, Arch, KernelFamily, WeightFormat};
+///
+/// /// Qwen3-30B-A3B's MoE layer.
+/// #[moe_kernel(
+///     hidden = 2048,
+///     intermediate = 768,
+///     experts = 128,
+///     top_k = 8,
+///     format = bf16,
+///     activation = silu,
+///     archs = [sm_90a, sm_100a, sm_120a],
+/// )]
+/// pub struct Qwen3Moe;
+///
+/// // The spec, as a constant.
+/// assert_eq!(Qwen3Moe::SPEC.hidden(), 2048);
+/// assert_eq!(Qwen3Moe::SPEC.weight_format(), WeightFormat::Bf16);
+/// assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
+///
+/// // The sources rendered at compile time are exactly what `render` produces at run time.
+/// let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
+/// assert_eq!(k, moeforge::render(&Qwen3Moe::SPEC, KernelFamily::WarpDecode, Arch::Sm90a).unwrap());
+/// assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
+/// ```
+///
+/// # Arguments
+///
+/// | key | value | default |
+/// |-----|-------|---------|
+/// | `hidden` | integer | required |
+/// | `intermediate` | integer (per expert) | required |
+/// | `experts` | integer | required |
+/// | `top_k` | integer | required |
+/// | `format` | `bf16`, `fp16`, `fp8_e4m3` | `bf16` |
+/// | `activation` | `silu`, `gelu_tanh` | `silu` |
+/// | `act_dtype` | `bf16`, `fp16` | the format's (`fp16` for fp16 weights, else `bf16`) |
+/// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
+/// | `families` | list of `warp_decode` | `[warp_decode]` |
+///
+/// Names are parsed by moe-codegen's `FromStr` impls and the spec is built by the same
+/// `MoeSpec::new` the runtime uses, so the macro accepts exactly what the runtime accepts. Every
+/// error points at the argument it concerns: an unknown, duplicate or missing key, a zero size,
+/// `top_k > experts`, a size the format's 16-byte vector does not divide (`hidden = 2056` with
+/// `fp8_e4m3`), an unknown format, activation, dtype, arch or family.
+///
+/// ```compile_fail
+/// # use moeforge::moe_kernel;
+/// // error: `hidden` = 2056 is not a multiple of 16 (the weight format's 16-byte vector width) ...
+/// #[moe_kernel(hidden = 2056, intermediate = 1024, experts = 64, top_k = 8, format = fp8_e4m3)]
+/// pub struct Olmoe;
+/// ```
+///
+/// # Generated items
+///
+/// The struct is kept (its docs gain a line stating the geometry) and gets:
+///
+/// - `pub const SPEC: moeforge::MoeSpec`;
+/// - `pub const ARCHS: &[Arch]` and `pub const FAMILIES: &[KernelFamily]`, as declared;
+/// - `pub const SOURCES: &[(KernelFamily, Arch, &str, &str)]`: family, arch, module name and CUDA C
+///   source of every declared pair, rendered by `moe_codegen::render` during expansion;
+/// - `pub fn kernel_source(family, arch) -> Option<KernelSource>`, equal to `render(&SPEC, family, arch)`;
+/// - `pub fn load(&Device, &HostWeights) -> Result<MoeLayer, RuntimeError>`: the runtime layer built
+///   with the warp-decode source for the device's arch (panics if that arch was not declared).
+///
+/// ```no_run
+/// # use moeforge::moe_kernel;
+/// # #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8)]
+/// # pub struct Qwen3Moe;
+/// use moeforge::runtime::{Device, HostWeights, MoeLayer, RuntimeError};
+///
+/// fn build(weights: &HostWeights) -> Result<MoeLayer, RuntimeError> {
+///     let device = Device::new(0)?;
+///     Qwen3Moe::load(&device, weights)
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn moe_kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::expand(attr.into(), item.into()).into()
+}

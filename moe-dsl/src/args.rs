@@ -1,0 +1,324 @@
+//! Parsing the attribute's `key = value` arguments and checking them, every error spanned at the
+//! argument it concerns. Names (formats, archs, ...) go through moe-codegen's `FromStr` impls, sizes
+//! through `MoeSpec::new`: the macro owns no list of names and no validation rule of its own.
+
+use moe_codegen::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, SpecError, WeightFormat};
+use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
+use std::str::FromStr;
+use syn::ext::IdentExt;
+use syn::parse::{Parse, ParseStream};
+use syn::punctuated::Punctuated;
+use syn::{bracketed, token, Ident, LitInt, Token};
+
+/// Every key the attribute takes, in the order the docs list them.
+pub(crate) const KEYS: [&str; 9] =
+    ["hidden", "intermediate", "experts", "top_k", "format", "activation", "act_dtype", "archs", "families"];
+const REQUIRED: [&str; 4] = ["hidden", "intermediate", "experts", "top_k"];
+
+/// The right-hand side of one argument.
+#[derive(Clone)]
+pub(crate) enum Value {
+    Int(LitInt),
+    Name(Ident),
+    List { bracket: token::Bracket, items: Punctuated<Ident, Token![,]> },
+}
+
+impl Parse for Value {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let la = input.lookahead1();
+        if la.peek(LitInt) {
+            Ok(Value::Int(input.parse()?))
+        } else if la.peek(token::Bracket) {
+            let content;
+            let bracket = bracketed!(content in input);
+            Ok(Value::List { bracket, items: content.parse_terminated(Ident::parse_any, Token![,])? })
+        } else if la.peek(Ident::peek_any) {
+            Ok(Value::Name(Ident::parse_any(input)?))
+        } else {
+            Err(la.error())
+        }
+    }
+}
+
+impl ToTokens for Value {
+    fn to_tokens(&self, tokens: &mut TokenStream) {
+        match self {
+            Value::Int(v) => v.to_tokens(tokens),
+            Value::Name(v) => v.to_tokens(tokens),
+            Value::List { bracket, items } => bracket.surround(tokens, |t| items.to_tokens(t)),
+        }
+    }
+}
+
+/// One `key = value` argument.
+#[derive(Clone)]
+pub(crate) struct Arg {
+    pub key: Ident,
+    pub eq: Token![=],
+    pub value: Value,
+}
+
+impl Parse for Arg {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        Ok(Arg { key: Ident::parse_any(input)?, eq: input.parse()?, value: input.parse()? })
+    }
+}
+
+impl ToTokens for Arg {
+    fn to_tokens(&self, tokens: &mut TokenStream) {
+        self.key.to_tokens(tokens);
+        self.eq.to_tokens(tokens);
+        self.value.to_tokens(tokens);
+    }
+}
+
+/// The whole argument list.
+pub(crate) struct Args(pub Punctuated<Arg, Token![,]>);
+
+impl Parse for Args {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        Ok(Args(Punctuated::parse_terminated(input)?))
+    }
+}
+
+/// A value and the argument it came from (`None` where the default was taken).
+pub(crate) struct Given<T> {
+    pub value: T,
+    pub arg: Option<Arg>,
+}
+
+impl<T> Given<T> {
+    fn default(value: T) -> Self {
+        Given { value, arg: None }
+    }
+    fn of(arg: &Arg, value: T) -> Self {
+        Given { value, arg: Some(arg.clone()) }
+    }
+    /// An error at the argument, or at the attribute where the value was defaulted.
+    fn error(&self, msg: impl std::fmt::Display) -> syn::Error {
+        match &self.arg {
+            Some(arg) => syn::Error::new_spanned(arg, msg),
+            None => syn::Error::new(Span::call_site(), msg),
+        }
+    }
+}
+
+/// One element of a list argument, with the identifier it was written as.
+pub(crate) struct Item<T> {
+    pub value: T,
+    pub ident: Option<Ident>,
+}
+
+impl<T> Item<T> {
+    pub(crate) fn error(&self, msg: impl std::fmt::Display) -> syn::Error {
+        match &self.ident {
+            Some(i) => syn::Error::new_spanned(i, msg),
+            None => syn::Error::new(Span::call_site(), msg),
+        }
+    }
+}
+
+/// The checked arguments: a valid spec plus the archs and families to render.
+pub(crate) struct Checked {
+    pub spec: MoeSpec,
+    pub archs: Vec<Item<Arch>>,
+    pub families: Vec<Item<KernelFamily>>,
+}
+
+/// Accumulates errors so that one expansion reports every bad argument at once.
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, e: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+    fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+fn int(arg: &Arg) -> syn::Result<u32> {
+    match &arg.value {
+        Value::Int(lit) => {
+            if !matches!(lit.suffix(), "" | "u32") {
+                return Err(syn::Error::new_spanned(
+                    lit,
+                    format!("`{}` takes a plain integer, without a suffix", arg.key),
+                ));
+            }
+            lit.base10_parse::<u32>()
+                .map_err(|e| syn::Error::new_spanned(lit, format!("`{}` must fit in a u32: {e}", arg.key)))
+        }
+        other => {
+            Err(syn::Error::new_spanned(other, format!("`{}` takes an integer, e.g. `{} = 2048`", arg.key, arg.key)))
+        }
+    }
+}
+
+fn name<T: FromStr<Err = SpecError>>(arg: &Arg) -> syn::Result<T> {
+    match &arg.value {
+        Value::Name(ident) => parse_name(ident),
+        other => {
+            Err(syn::Error::new_spanned(other, format!("`{}` takes a single name, e.g. `{}`", arg.key, example(arg))))
+        }
+    }
+}
+
+fn parse_name<T: FromStr<Err = SpecError>>(ident: &Ident) -> syn::Result<T> {
+    ident.unraw().to_string().parse::<T>().map_err(|e| syn::Error::new_spanned(ident, e))
+}
+
+fn list<T: FromStr<Err = SpecError> + PartialEq + std::fmt::Display>(arg: &Arg) -> syn::Result<Vec<Item<T>>> {
+    let Value::List { items, .. } = &arg.value else {
+        return Err(syn::Error::new_spanned(
+            &arg.value,
+            format!("`{}` takes a list in brackets, e.g. `{} = [{}]`", arg.key, arg.key, example(arg)),
+        ));
+    };
+    if items.is_empty() {
+        return Err(syn::Error::new_spanned(arg, format!("`{}` must name at least one entry", arg.key)));
+    }
+    let mut errors = Errors::default();
+    let mut out: Vec<Item<T>> = Vec::new();
+    for ident in items {
+        match parse_name::<T>(ident) {
+            Ok(v) if out.iter().any(|o| o.value == v) => {
+                errors.push(syn::Error::new_spanned(ident, format!("`{v}` is listed twice in `{}`", arg.key)))
+            }
+            Ok(value) => out.push(Item { value, ident: Some(ident.clone()) }),
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.finish().map(|()| out)
+}
+
+fn example(arg: &Arg) -> &'static str {
+    match arg.key.unraw().to_string().as_str() {
+        "format" => "bf16",
+        "activation" => "silu",
+        "act_dtype" => "bf16",
+        "archs" => "sm_90a, sm_100a",
+        "families" => "warp_decode",
+        _ => "...",
+    }
+}
+
+/// Edit distance, for "did you mean" on misspelt keys.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur.push((prev[j] + usize::from(ca != cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn unknown_key(key: &Ident) -> syn::Error {
+    let k = key.unraw().to_string();
+    let mut msg = format!("unknown key `{k}`; expected one of: {}", KEYS.join(", "));
+    if let Some(best) = KEYS.iter().min_by_key(|c| distance(&k, c)).filter(|c| distance(&k, c) <= 2) {
+        msg = format!("unknown key `{k}`; did you mean `{best}`? (expected one of: {})", KEYS.join(", "));
+    }
+    syn::Error::new_spanned(key, msg)
+}
+
+impl Args {
+    /// Check every argument, then the spec through `MoeSpec::new` (the runtime's own constructor).
+    pub(crate) fn check(&self) -> syn::Result<Checked> {
+        let mut errors = Errors::default();
+        let mut seen: Vec<(String, &Arg)> = Vec::new();
+        let mut sizes: [Option<Given<u32>>; 4] = [None, None, None, None];
+        let mut format = Given::default(WeightFormat::Bf16);
+        let mut activation = Given::default(Activation::Silu);
+        let mut act_dtype: Option<Given<ActDtype>> = None;
+        let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
+        let mut families = vec![Item { value: KernelFamily::WarpDecode, ident: None }];
+
+        for arg in &self.0 {
+            let key = arg.key.unraw().to_string();
+            if !KEYS.contains(&key.as_str()) {
+                errors.push(unknown_key(&arg.key));
+                continue;
+            }
+            if seen.iter().any(|(k, _)| *k == key) {
+                errors.push(syn::Error::new_spanned(arg, format!("duplicate key `{key}`: it is already given")));
+                continue;
+            }
+            seen.push((key.clone(), arg));
+            let r = match key.as_str() {
+                k if REQUIRED.contains(&k) => {
+                    let slot = REQUIRED.iter().position(|r| *r == k).expect("required key");
+                    int(arg).map(|v| sizes[slot] = Some(Given::of(arg, v)))
+                }
+                "format" => name(arg).map(|v| format = Given::of(arg, v)),
+                "activation" => name(arg).map(|v| activation = Given::of(arg, v)),
+                "act_dtype" => name(arg).map(|v| act_dtype = Some(Given::of(arg, v))),
+                "archs" => list(arg).map(|v| archs = v),
+                "families" => list(arg).map(|v| families = v),
+                _ => unreachable!("every key in KEYS is handled"),
+            };
+            if let Err(e) = r {
+                errors.push(e);
+            }
+        }
+
+        let missing: Vec<String> =
+            REQUIRED.iter().zip(&sizes).filter(|(_, s)| s.is_none()).map(|(k, _)| format!("`{k}`")).collect();
+        if !missing.is_empty() {
+            errors.push(syn::Error::new(
+                Span::call_site(),
+                format!(
+                    "missing required key{} {}: #[moe_kernel] needs `hidden`, `intermediate`, `experts` and `top_k`",
+                    if missing.len() > 1 { "s" } else { "" },
+                    missing.join(", ")
+                ),
+            ));
+        }
+        errors.finish()?;
+
+        let [Some(hidden), Some(intermediate), Some(experts), Some(top_k)] = sizes else {
+            unreachable!("missing keys were reported above")
+        };
+        let act = act_dtype.as_ref().map_or(format.value.default_act_dtype(), |g| g.value);
+        let spec = MoeSpec::new(
+            hidden.value,
+            intermediate.value,
+            experts.value,
+            top_k.value,
+            activation.value,
+            format.value,
+            act,
+        )
+        .map_err(|e| {
+            let field = |f: &str| match f {
+                "hidden" => &hidden,
+                "intermediate" => &intermediate,
+                "experts" => &experts,
+                _ => &top_k,
+            };
+            match &e {
+                SpecError::Zero { field: f } | SpecError::TooLarge { field: f, .. } => field(f).error(&e),
+                SpecError::NotDivisible { field: f, divisor, .. } => field(f).error(format_args!(
+                    "{e}: with `format = {}` one 16-byte vector holds {divisor} elements",
+                    format.value
+                )),
+                SpecError::TopKExceedsExperts { .. } => top_k.error(&e),
+                SpecError::ActDtypeMismatch { .. } => match &act_dtype {
+                    Some(a) => a.error(&e),
+                    None => format.error(&e),
+                },
+                SpecError::Unknown { .. } => syn::Error::new(Span::call_site(), &e),
+            }
+        })?;
+        Ok(Checked { spec, archs, families })
+    }
+}

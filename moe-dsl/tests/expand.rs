@@ -1,0 +1,99 @@
+//! The macro's generated items: values, defaults, and sources identical to a run-time `render`.
+
+use moeforge::codegen::render::entry_points;
+use moeforge::{moe_kernel, render, ActDtype, Activation, Arch, KernelFamily, MoeSpec, WeightFormat};
+
+/// Qwen3-30B-A3B.
+#[moe_kernel(
+    hidden = 2048,
+    intermediate = 768,
+    experts = 128,
+    top_k = 8,
+    format = bf16,
+    activation = silu,
+    archs = [sm_90a, sm_100a, sm_120a]
+)]
+pub struct Qwen3Moe;
+
+#[moe_kernel(hidden = 2048, intermediate = 1024, experts = 64, top_k = 8, format = fp8_e4m3, archs = [sm_120a, sm_90a])]
+struct Olmoe;
+
+#[moe_kernel(hidden = 512, intermediate = 256, experts = 8, top_k = 2, format = fp16, activation = gelu_tanh,
+             families = [warp_decode])]
+struct SmallFp16;
+
+#[moe_kernel(top_k = 4, experts = 32, intermediate = 2880, hidden = 2880, act_dtype = fp16, format = fp8_e4m3,)]
+pub(crate) struct GptOss;
+
+#[test]
+fn spec_holds_the_declared_values() {
+    let s = Qwen3Moe::SPEC;
+    assert_eq!((s.hidden(), s.intermediate(), s.experts(), s.top_k()), (2048, 768, 128, 8));
+    assert_eq!(s.weight_format(), WeightFormat::Bf16);
+    assert_eq!(s.act_dtype(), ActDtype::Bf16);
+    assert_eq!(s.activation(), Activation::Silu);
+    assert_eq!(s, MoeSpec::builder(2048, 768, 128, 8).build().unwrap());
+    assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
+    assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Qwen3Moe::SOURCES.len(), 3);
+
+    let o = Olmoe::SPEC;
+    assert_eq!(o.id(), "h2048_i1024_e64_k8_fp8_e4m3_bf16_silu");
+    assert_eq!(Olmoe::ARCHS, &[Arch::Sm120a, Arch::Sm90a], "declared order is kept");
+    assert_eq!(Olmoe::SOURCES.len(), 2);
+
+    // fp16 weights default to fp16 activations.
+    assert_eq!(SmallFp16::SPEC.act_dtype(), ActDtype::Fp16);
+    assert_eq!(SmallFp16::SPEC.activation(), Activation::GeluTanh);
+    assert_eq!(SmallFp16::ARCHS, &Arch::ALL, "archs default to all three");
+
+    assert_eq!(GptOss::SPEC.id(), "h2880_i2880_e32_k4_fp8_e4m3_fp16_silu");
+}
+
+#[test]
+fn spec_is_usable_in_const_context() {
+    const H: u32 = Qwen3Moe::SPEC.hidden();
+    const BYTES: usize = Olmoe::SPEC.w13_elems();
+    let _array = [0u8; H as usize];
+    assert_eq!(BYTES, 64 * 2 * 1024 * 2048);
+}
+
+/// The JIT cache key hashes the rendered source (plus compile options): equal sources, one cache entry.
+#[test]
+fn macro_sources_equal_runtime_render() {
+    fn check(
+        spec: &MoeSpec,
+        sources: &[(KernelFamily, Arch, &str, &str)],
+        get: fn(KernelFamily, Arch) -> Option<moeforge::KernelSource>,
+    ) {
+        for &(family, arch, name, source) in sources {
+            let want = render(spec, family, arch).unwrap();
+            assert_eq!(name, want.name);
+            assert!(source == want.source, "{name} on {arch}: macro and render differ");
+            assert_eq!(get(family, arch).unwrap(), want);
+            assert_eq!(want.entry_points, entry_points(family));
+        }
+    }
+    check(&Qwen3Moe::SPEC, Qwen3Moe::SOURCES, Qwen3Moe::kernel_source);
+    check(&Olmoe::SPEC, Olmoe::SOURCES, Olmoe::kernel_source);
+    check(&SmallFp16::SPEC, SmallFp16::SOURCES, SmallFp16::kernel_source);
+    check(&GptOss::SPEC, GptOss::SOURCES, GptOss::kernel_source);
+}
+
+#[test]
+fn undeclared_pairs_have_no_source() {
+    assert!(Olmoe::kernel_source(KernelFamily::WarpDecode, Arch::Sm100a).is_none());
+    assert!(Olmoe::kernel_source(KernelFamily::WarpDecode, Arch::Sm90a).is_some());
+    // The fp8 source is not the bf16 one.
+    let (q, o) = (Qwen3Moe::SOURCES[0].3, Olmoe::SOURCES[0].3);
+    assert_ne!(q, o);
+    assert!(o.contains("__NV_E4M3"));
+}
+
+#[test]
+fn load_has_the_runtime_signature() {
+    let _: fn(
+        &moeforge::runtime::Device,
+        &moeforge::runtime::HostWeights,
+    ) -> Result<moeforge::runtime::MoeLayer, moeforge::runtime::RuntimeError> = Qwen3Moe::load;
+}
