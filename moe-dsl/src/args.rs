@@ -7,7 +7,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use std::str::FromStr;
 use syn::ext::IdentExt;
-use syn::parse::{Parse, ParseStream};
+use syn::parse::{discouraged::Speculative, Parse, ParseStream};
 use syn::punctuated::Punctuated;
 use syn::{bracketed, token, Ident, LitInt, Token};
 
@@ -16,28 +16,45 @@ pub(crate) const KEYS: [&str; 9] =
     ["hidden", "intermediate", "experts", "top_k", "format", "activation", "act_dtype", "archs", "families"];
 const REQUIRED: [&str; 4] = ["hidden", "intermediate", "experts", "top_k"];
 
-/// The right-hand side of one argument.
+/// The right-hand side of one argument: everything up to the next top-level comma.
 #[derive(Clone)]
 pub(crate) enum Value {
     Int(LitInt),
     Name(Ident),
-    List { bracket: token::Bracket, items: Punctuated<Ident, Token![,]> },
+    List {
+        bracket: token::Bracket,
+        items: Punctuated<Ident, Token![,]>,
+    },
+    /// Anything else (`-1`, `2.0`, `"bf16"`, `a::b`): reported by the key that got it.
+    Other(TokenStream),
 }
 
 impl Parse for Value {
     fn parse(input: ParseStream) -> syn::Result<Self> {
-        let la = input.lookahead1();
-        if la.peek(LitInt) {
-            Ok(Value::Int(input.parse()?))
-        } else if la.peek(token::Bracket) {
+        let fork = input.fork();
+        let simple = if fork.peek(LitInt) {
+            fork.parse().map(Value::Int).ok()
+        } else if fork.peek(token::Bracket) {
             let content;
-            let bracket = bracketed!(content in input);
-            Ok(Value::List { bracket, items: content.parse_terminated(Ident::parse_any, Token![,])? })
-        } else if la.peek(Ident::peek_any) {
-            Ok(Value::Name(Ident::parse_any(input)?))
+            let bracket = bracketed!(content in fork);
+            content.parse_terminated(Ident::parse_any, Token![,]).ok().map(|items| Value::List { bracket, items })
+        } else if fork.peek(Ident::peek_any) {
+            Ident::parse_any(&fork).ok().map(Value::Name)
         } else {
-            Err(la.error())
+            None
+        };
+        if let Some(v) = simple.filter(|_| fork.is_empty() || fork.peek(Token![,])) {
+            input.advance_to(&fork);
+            return Ok(v);
         }
+        let mut other = TokenStream::new();
+        while !input.is_empty() && !input.peek(Token![,]) {
+            other.extend([input.parse::<proc_macro2::TokenTree>()?]);
+        }
+        if other.is_empty() {
+            return Err(input.error("expected a value after `=`"));
+        }
+        Ok(Value::Other(other))
     }
 }
 
@@ -47,6 +64,7 @@ impl ToTokens for Value {
             Value::Int(v) => v.to_tokens(tokens),
             Value::Name(v) => v.to_tokens(tokens),
             Value::List { bracket, items } => bracket.surround(tokens, |t| items.to_tokens(t)),
+            Value::Other(v) => v.to_tokens(tokens),
         }
     }
 }
@@ -151,6 +169,9 @@ fn int(arg: &Arg) -> syn::Result<u32> {
                     format!("`{}` takes a plain integer, without a suffix", arg.key),
                 ));
             }
+            if lit.base10_digits().starts_with('-') {
+                return Err(syn::Error::new_spanned(lit, format!("`{}` cannot be negative", arg.key)));
+            }
             lit.base10_parse::<u32>()
                 .map_err(|e| syn::Error::new_spanned(lit, format!("`{}` must fit in a u32: {e}", arg.key)))
         }
@@ -177,7 +198,7 @@ fn list<T: FromStr<Err = SpecError> + PartialEq + std::fmt::Display>(arg: &Arg) 
     let Value::List { items, .. } = &arg.value else {
         return Err(syn::Error::new_spanned(
             &arg.value,
-            format!("`{}` takes a list in brackets, e.g. `{} = [{}]`", arg.key, arg.key, example(arg)),
+            format!("`{}` takes a list of names in brackets, e.g. `{} = [{}]`", arg.key, arg.key, example(arg)),
         ));
     };
     if items.is_empty() {
@@ -222,20 +243,25 @@ fn distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
-fn unknown_key(key: &Ident) -> syn::Error {
+/// The error for a key not in [`KEYS`], and the key it probably meant.
+fn unknown_key(key: &Ident) -> (syn::Error, Option<&'static str>) {
     let k = key.unraw().to_string();
-    let mut msg = format!("unknown key `{k}`; expected one of: {}", KEYS.join(", "));
-    if let Some(best) = KEYS.iter().min_by_key(|c| distance(&k, c)).filter(|c| distance(&k, c) <= 2) {
-        msg = format!("unknown key `{k}`; did you mean `{best}`? (expected one of: {})", KEYS.join(", "));
-    }
-    syn::Error::new_spanned(key, msg)
+    let keys = KEYS.join(", ");
+    let best = KEYS.into_iter().min_by_key(|c| distance(&k, c)).filter(|c| distance(&k, c) <= 2);
+    let msg = match best {
+        Some(best) => format!("unknown key `{k}`; did you mean `{best}`? (expected one of: {keys})"),
+        None => format!("unknown key `{k}`; expected one of: {keys}"),
+    };
+    (syn::Error::new_spanned(key, msg), best)
 }
 
 impl Args {
     /// Check every argument, then the spec through `MoeSpec::new` (the runtime's own constructor).
     pub(crate) fn check(&self) -> syn::Result<Checked> {
         let mut errors = Errors::default();
-        let mut seen: Vec<(String, &Arg)> = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
+        // Keys a misspelt key was taken for: not reported missing as well.
+        let mut suggested: Vec<&str> = Vec::new();
         let mut sizes: [Option<Given<u32>>; 4] = [None, None, None, None];
         let mut format = Given::default(WeightFormat::Bf16);
         let mut activation = Given::default(Activation::Silu);
@@ -246,14 +272,16 @@ impl Args {
         for arg in &self.0 {
             let key = arg.key.unraw().to_string();
             if !KEYS.contains(&key.as_str()) {
-                errors.push(unknown_key(&arg.key));
+                let (e, meant) = unknown_key(&arg.key);
+                errors.push(e);
+                suggested.extend(meant);
                 continue;
             }
-            if seen.iter().any(|(k, _)| *k == key) {
+            if seen.contains(&key) {
                 errors.push(syn::Error::new_spanned(arg, format!("duplicate key `{key}`: it is already given")));
                 continue;
             }
-            seen.push((key.clone(), arg));
+            seen.push(key.clone());
             let r = match key.as_str() {
                 k if REQUIRED.contains(&k) => {
                     let slot = REQUIRED.iter().position(|r| *r == k).expect("required key");
@@ -271,8 +299,11 @@ impl Args {
             }
         }
 
-        let missing: Vec<String> =
-            REQUIRED.iter().zip(&sizes).filter(|(_, s)| s.is_none()).map(|(k, _)| format!("`{k}`")).collect();
+        let missing: Vec<String> = REQUIRED
+            .iter()
+            .filter(|k| !seen.iter().any(|s| s == *k) && !suggested.contains(k))
+            .map(|k| format!("`{k}`"))
+            .collect();
         if !missing.is_empty() {
             errors.push(syn::Error::new(
                 Span::call_site(),
