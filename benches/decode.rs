@@ -1,1 +1,200 @@
-fn main() {}
+//! Decode latency of the whole MoE layer (gate_up + down) on the Qwen3-30B-A3B geometry.
+//!
+//! `cargo bench --bench decode` runs criterion; `cargo bench --bench decode -- --report [FILE]`
+//! prints a table and appends one JSON object per row to FILE (see benches/results/).
+//! Each timed unit is a CUDA-graph replay of forward over LAYERS copies of the weights, so no
+//! expert row is served from L2; the device-to-device copy bandwidth is measured in the same run.
+
+use moe_runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::{Device, MoeLayer};
+use moeforge::codegen::{MoeSpec, WeightFormat};
+use std::sync::Arc;
+
+const MS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// Weight copies cycled through: at M = 1 each step touches ~75 MB (bf16), 4 copies >= 4x L2.
+const LAYERS: usize = 4;
+
+struct Case {
+    graph: CudaGraph,
+    /// Bytes one layer step must move: touched experts' weights and scales, x, y, routing.
+    bytes_per_layer: f64,
+    _keep: Vec<(CudaSlice<half::bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<half::bf16>)>,
+}
+
+fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
+    let s = layers[0].stream().clone();
+    let mut keep = Vec::new();
+    let mut bytes = 0f64;
+    let mut steps = Vec::new();
+    for _ in layers {
+        let (x, ids, w) = random_step(spec, m, 0.0, fresh_seed());
+        let mut uniq = ids.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        let h = spec.hidden() as usize;
+        bytes += (uniq.len() * spec.expert_bytes() + 2 * m * h * 2 + ids.len() * 8) as f64;
+        let xs: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        steps.push((
+            s.clone_htod(&xs).unwrap(),
+            s.clone_htod(&ids).unwrap(),
+            s.clone_htod(&w).unwrap(),
+            s.alloc_zeros::<half::bf16>(m * h).unwrap(),
+        ));
+    }
+    for l in layers {
+        l.reserve(m).unwrap();
+    }
+    s.synchronize().unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    for (l, st) in layers.iter().zip(steps.iter_mut()) {
+        l.forward(&st.0, &st.1, &st.2, &mut st.3).unwrap();
+    }
+    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("graph");
+    keep.extend(steps);
+    Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: keep }
+}
+
+/// Median microseconds of one replay, timed with events around each replay.
+fn time_graph(s: &Arc<CudaStream>, g: &CudaGraph, reps: usize) -> f64 {
+    for _ in 0..5 {
+        g.launch().unwrap();
+    }
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        g.launch().unwrap();
+        let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        b.synchronize().unwrap();
+        t.push(a.elapsed_ms(&b).unwrap() as f64 * 1e3);
+    }
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[reps / 2]
+}
+
+/// Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+fn copy_gbps(s: &Arc<CudaStream>) -> f64 {
+    let n = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(n).unwrap();
+    let mut dst = s.alloc_zeros::<u8>(n).unwrap();
+    let mut t = Vec::new();
+    for i in 0..25 {
+        let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        s.memcpy_dtod(&src, &mut dst).unwrap();
+        let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        b.synchronize().unwrap();
+        if i >= 5 {
+            t.push(a.elapsed_ms(&b).unwrap() as f64 * 1e-3);
+        }
+    }
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    2.0 * n as f64 / t[t.len() / 2] / 1e9
+}
+
+fn today() -> String {
+    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86400;
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!("{:04}-{:02}-{:02}", yoe + era * 400 + (m <= 2) as i64, m, d)
+}
+
+fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
+    let w = random_weights(&spec, fresh_seed());
+    (0..LAYERS)
+        .map(|_| {
+            let mut l = MoeLayer::load(dev, spec, &w).unwrap();
+            l.set_validate_routing(false);
+            l
+        })
+        .collect()
+}
+
+fn qwen(format: WeightFormat) -> MoeSpec {
+    MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap()
+}
+
+fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
+    let s = dev.stream().clone();
+    let copy = copy_gbps(&s);
+    let date = today();
+    println!("device: {}  copy bandwidth: {copy:.0} GB/s  date: {date}", dev.name());
+    println!("{:<10} {:>3} {:>10} {:>10} {:>8}", "format", "m", "median_us", "GB/s", "% copy");
+    let mut rows = String::new();
+    for &format in formats {
+        let spec = qwen(format);
+        let layers = layers_for(dev, spec);
+        for m in MS {
+            let case = build_case(&layers, &spec, m);
+            let us = time_graph(&s, &case.graph, 100) / LAYERS as f64;
+            let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
+            let pct = 100.0 * gbps / copy;
+            println!("{:<10} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name());
+            rows.push_str(&format!(
+                "{{\"device\":\"{}\",\"family\":\"warp_decode\",\"format\":\"{}\",\"geometry\":\"qwen3-30b-a3b\",\
+                 \"hidden\":2048,\"intermediate\":768,\"experts\":128,\"top_k\":8,\"m\":{m},\"median_us\":{us:.3},\
+                 \"bytes\":{:.0},\"achieved_gbps\":{gbps:.1},\"copy_gbps\":{copy:.1},\"pct_of_copy\":{pct:.2},\
+                 \"layers_rotated\":{LAYERS},\"date\":\"{date}\"}}\n",
+                dev.name(),
+                format.name(),
+                case.bytes_per_layer
+            ));
+        }
+    }
+    if let Some(path) = out {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+        f.write_all(rows.as_bytes()).unwrap();
+        println!("appended {} rows to {path}", rows.lines().count());
+    }
+}
+
+fn criterion_bench(dev: &Device) {
+    let mut c = criterion::Criterion::default().configure_from_args();
+    let s = dev.stream().clone();
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+        let spec = qwen(format);
+        let layers = layers_for(dev, spec);
+        let mut group = c.benchmark_group(format!("warp_decode/qwen3-30b-a3b/{format}"));
+        for m in MS {
+            let case = build_case(&layers, &spec, m);
+            group.bench_function(format!("m{m}"), |b| {
+                b.iter_custom(|iters| {
+                    let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    for _ in 0..iters {
+                        case.graph.launch().unwrap();
+                    }
+                    let e = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    e.synchronize().unwrap();
+                    std::time::Duration::from_secs_f64(a.elapsed_ms(&e).unwrap() as f64 * 1e-3 / LAYERS as f64)
+                })
+            });
+        }
+        group.finish();
+    }
+    c.final_summary();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let dev = match Device::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("decode benchmark skipped: {e}");
+            return;
+        }
+    };
+    if let Some(i) = args.iter().position(|a| a == "--report") {
+        let out = args.get(i + 1).filter(|a| !a.starts_with("--")).map(String::as_str);
+        report(&dev, out, &[WeightFormat::Bf16, WeightFormat::Fp8E4m3]);
+    } else {
+        criterion_bench(&dev);
+    }
+}

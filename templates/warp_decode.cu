@@ -94,7 +94,8 @@ __device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* 
                 ag[j] = 0.0f;
                 au[j] = 0.0f;
             }
-#pragma unroll
+            // Long rows loop over chunks; only the chunk itself is unrolled.
+#pragma unroll 1
             for (int c0 = 0; c0 < VPL_H; c0 += GU_CHUNK) {
                 // All of this chunk's weight loads are issued before any of its math.
                 uint4 gv[GU_CHUNK], uv[GU_CHUNK];
@@ -199,7 +200,7 @@ __device__ __forceinline__ void down(const float* __restrict__ mid, const int* _
                     for (int jj = 0; jj < MT; ++jj) wgt[q][jj] *= s;
                 }
             }
-#pragma unroll
+#pragma unroll 1
             for (int c0 = 0; c0 < VPL_I; c0 += DN_CHUNK) {
                 uint4 wv[DN_EXPERTS][DN_CHUNK];
 #pragma unroll

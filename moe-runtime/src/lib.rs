@@ -1,1 +1,25 @@
+//! moeforge runtime: NVRTC JIT with a two-level kernel cache, weights on the device, and the
+//! layer's `forward`.
+//!
+//! ```text
+//! KernelSource --jit--> CUBIN (disk cache, blake3-keyed) --Device::load--> CudaModule (memory)
+//!              MoeLayer::load(device, spec, weights) -> forward(x, topk_ids, topk_weights, y)
+//! ```
 
+pub mod cache;
+pub mod device;
+pub mod error;
+pub mod jit;
+pub mod layer;
+pub mod reference;
+pub mod testing;
+pub mod toolkit;
+pub mod weights;
+
+pub use cache::DiskCache;
+pub use cudarc;
+pub use device::Device;
+pub use error::{Result, RuntimeError};
+pub use jit::{cache_key, compile, CompileOptions, Compiled};
+pub use layer::{validate_ids, ActElem, MoeLayer};
+pub use weights::HostWeights;

@@ -1,0 +1,93 @@
+//! One GPU: its context and stream, its arch, and the modules loaded on it (kept in memory,
+//! keyed by (device, cache key); built through the disk cache).
+
+use crate::cache::{DiskCache, Outcome};
+use crate::error::{Result, RuntimeError};
+use crate::jit::{cache_key, CompileOptions};
+use crate::toolkit::toolkit;
+use cudarc::driver::{sys, CudaContext, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+use dashmap::DashMap;
+use moe_codegen::{Arch, KernelSource};
+use std::sync::{Arc, LazyLock};
+
+static MODULES: LazyLock<DashMap<(usize, String), Arc<CudaModule>>> = LazyLock::new(DashMap::new);
+
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    sms: u32,
+    max_smem_optin: u32,
+    cache: DiskCache,
+}
+
+impl Device {
+    /// Open GPU `ordinal`. `NoGpu` when the driver library or the device is missing.
+    pub fn new(ordinal: usize) -> Result<Device> {
+        if !unsafe { sys::is_culib_present() } {
+            return Err(RuntimeError::NoGpu("libcuda (the NVIDIA driver) is not installed".into()));
+        }
+        let count = CudaContext::device_count().map_err(|e| RuntimeError::NoGpu(format!("{e:?}")))?;
+        if ordinal as i32 >= count {
+            return Err(RuntimeError::NoGpu(format!("device {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| RuntimeError::NoGpu(format!("{e:?}")))?;
+        // One stream per layer user; cross-stream event bookkeeping would only get in the way of
+        // graph capture.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = Arch::from_compute_capability(major, minor).ok_or(RuntimeError::UnsupportedDevice { major, minor })?;
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let max_smem_optin =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
+        let stream = ctx.new_stream()?;
+        Ok(Device { ctx, stream, arch, sms, max_smem_optin, cache: DiskCache::open_default() })
+    }
+
+    /// Use another kernel cache directory (tests, the CLI).
+    pub fn with_cache(mut self, cache: DiskCache) -> Device {
+        self.cache = cache;
+        self
+    }
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+    pub fn sm_count(&self) -> u32 {
+        self.sms
+    }
+    pub fn max_smem_optin(&self) -> u32 {
+        self.max_smem_optin
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown".into())
+    }
+
+    /// The loaded module for `src`: from memory, else from the disk cache, else compiled.
+    pub fn load(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
+        if src.arch != self.arch {
+            return Err(RuntimeError::Shape {
+                what: "kernel arch",
+                expected: self.arch.to_string(),
+                got: src.arch.to_string(),
+            });
+        }
+        let opts = CompileOptions::for_arch(toolkit()?, self.arch);
+        let key = (self.ctx.ordinal(), cache_key(src, &opts));
+        if let Some(m) = MODULES.get(&key) {
+            return Ok(m.clone());
+        }
+        let (cubin, outcome) = self.cache.get_or_compile(src, &opts)?;
+        if outcome != Outcome::Hit {
+            tracing::info!(module = %src.name, ?outcome, "kernel built");
+        }
+        let module = self.ctx.load_module(Ptx::from_binary(cubin))?;
+        Ok(MODULES.entry(key).or_insert(module).clone())
+    }
+}

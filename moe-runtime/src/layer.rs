@@ -1,0 +1,288 @@
+//! A MoE layer on one GPU: its weights, its kernels, and `forward`.
+
+use crate::device::Device;
+use crate::error::{Result, RuntimeError};
+use crate::weights::HostWeights;
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use moe_codegen::{render, routing_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Element types the activations `x` / `y` may have.
+pub trait ActElem: DeviceRepr + Copy + Default {
+    const DTYPE: ActDtype;
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+impl ActElem for half::bf16 {
+    const DTYPE: ActDtype = ActDtype::Bf16;
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+impl ActElem for half::f16 {
+    const DTYPE: ActDtype = ActDtype::Fp16;
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+struct TileFns {
+    tile: u32,
+    gate_up: CudaFunction,
+    down: CudaFunction,
+    /// Resident blocks per SM at the largest routing table we size for.
+    gate_up_blocks_per_sm: u32,
+    down_blocks_per_sm: u32,
+}
+
+pub struct MoeLayer {
+    spec: MoeSpec,
+    stream: Arc<CudaStream>,
+    sms: u32,
+    max_smem: u32,
+    warps: u32,
+    w13: CudaSlice<u8>,
+    w13_scales: CudaSlice<f32>,
+    w2: CudaSlice<u8>,
+    w2_scales: CudaSlice<f32>,
+    tiles: Vec<TileFns>,
+    /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
+    mid: Mutex<CudaSlice<f32>>,
+    /// Count of out-of-range expert ids the kernels met.
+    errors: CudaSlice<i32>,
+    validate_routing: bool,
+}
+
+/// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
+/// kernel in the stream (it may start before that one finishes and waits in `griddepcontrol.wait`).
+unsafe fn launch(
+    f: &CudaFunction,
+    stream: &CudaStream,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    pdl: bool,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: pdl as u32,
+    };
+    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
+    Ok(())
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    // Event tracking is off on moeforge contexts, so the guard records nothing.
+    s.device_ptr(stream).0
+}
+
+impl MoeLayer {
+    /// Render the spec's warp-decode kernels for this device, build them and upload the weights.
+    pub fn load(device: &Device, spec: MoeSpec, weights: &HostWeights) -> Result<MoeLayer> {
+        let src = render(&spec, KernelFamily::WarpDecode, device.arch())?;
+        MoeLayer::with_source(device, spec, src, weights)
+    }
+
+    /// As [`MoeLayer::load`], with source rendered ahead of time (e.g. by `#[moe_kernel]`).
+    pub fn with_source(device: &Device, spec: MoeSpec, src: KernelSource, weights: &HostWeights) -> Result<MoeLayer> {
+        weights.validate(&spec)?;
+        let module = device.load(&src)?;
+        let stream = device.stream().clone();
+        let warps = DecodeTiles::for_spec(&spec).warps;
+        let sizing_smem = routing_smem_bytes(&spec, 64);
+        let mut tiles = Vec::new();
+        for t in TOKEN_TILES {
+            let gate_up = module.load_function(&format!("moe_gate_up_t{t}"))?;
+            let down = module.load_function(&format!("moe_down_t{t}"))?;
+            let occ = |f: &CudaFunction| -> Result<u32> {
+                Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1)
+                    as u32)
+            };
+            tiles.push(TileFns {
+                tile: t,
+                gate_up_blocks_per_sm: occ(&gate_up)?,
+                down_blocks_per_sm: occ(&down)?,
+                gate_up,
+                down,
+            });
+        }
+        // Formats without scales still get a one-element buffer so every pointer is valid.
+        let nonempty = |v: &[f32]| if v.is_empty() { vec![1.0f32] } else { v.to_vec() };
+        let layer = MoeLayer {
+            spec,
+            sms: device.sm_count(),
+            max_smem: device.max_smem_optin(),
+            warps,
+            w13: stream.clone_htod(&weights.w13)?,
+            w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
+            w2: stream.clone_htod(&weights.w2)?,
+            w2_scales: stream.clone_htod(&nonempty(&weights.w2_scales))?,
+            tiles,
+            mid: Mutex::new(stream.alloc_zeros::<f32>(spec.top_k() as usize * spec.intermediate() as usize)?),
+            errors: stream.alloc_zeros::<i32>(1)?,
+            validate_routing: cfg!(debug_assertions),
+            stream,
+        };
+        layer.stream.synchronize()?;
+        tracing::info!(module = %src.name, arch = %device.arch(), "layer loaded");
+        Ok(layer)
+    }
+
+    pub fn spec(&self) -> &MoeSpec {
+        &self.spec
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Check expert ids on the host before each forward (a device-to-host copy and a sync, so
+    /// not inside graph capture). On by default in debug builds.
+    pub fn set_validate_routing(&mut self, on: bool) {
+        self.validate_routing = on;
+    }
+
+    /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
+    /// captures) allocate nothing.
+    pub fn reserve(&self, max_tokens: usize) -> Result<()> {
+        let need = max_tokens * self.spec.top_k() as usize * self.spec.intermediate() as usize;
+        let mut mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
+        if mid.len() < need {
+            self.stream.synchronize()?;
+            *mid = self.stream.alloc_zeros::<f32>(need)?;
+        }
+        Ok(())
+    }
+
+    /// Out-of-range expert ids the kernels have skipped since the last call (syncs the stream).
+    pub fn take_routing_errors(&mut self) -> Result<i32> {
+        let n = self.stream.clone_dtoh(&self.errors)?[0];
+        self.stream.memset_zeros(&mut self.errors)?;
+        Ok(n)
+    }
+
+    /// `y[M, H] = MoE(x[M, H])` for routing `topk_ids[M, k]` (i32) and `topk_weights[M, k]` (f32),
+    /// enqueued on the layer's stream with no host synchronisation (unless routing validation is
+    /// on), so it can be captured in a CUDA graph.
+    pub fn forward<T: ActElem>(
+        &self,
+        x: &CudaSlice<T>,
+        topk_ids: &CudaSlice<i32>,
+        topk_weights: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
+        if T::DTYPE != self.spec.act_dtype() {
+            return Err(RuntimeError::Shape {
+                what: "activation dtype",
+                expected: self.spec.act_dtype().to_string(),
+                got: T::DTYPE.to_string(),
+            });
+        }
+        if x.len() == 0 || x.len() % h != 0 {
+            return Err(RuntimeError::Shape {
+                what: "x",
+                expected: format!("[M, {h}] with M > 0"),
+                got: format!("{} elements", x.len()),
+            });
+        }
+        let m = x.len() / h;
+        let expect = |what, got: usize, n: usize, shape: String| {
+            if got == n {
+                Ok(())
+            } else {
+                Err(RuntimeError::Shape { what, expected: shape, got: format!("{got} elements") })
+            }
+        };
+        expect("topk_ids", topk_ids.len(), m * k, format!("[{m}, {k}]"))?;
+        expect("topk_weights", topk_weights.len(), m * k, format!("[{m}, {k}]"))?;
+        expect("y", y.len(), m * h, format!("[{m}, {h}]"))?;
+        let smem = routing_smem_bytes(&self.spec, m as u32);
+        if smem > self.max_smem {
+            return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
+        }
+        if self.validate_routing {
+            self.check_ids(topk_ids)?;
+        }
+        self.reserve(m)?;
+        let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
+        let tile = DecodeTiles::token_tile(m as u32);
+        let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
+        for f in [&fns.gate_up, &fns.down] {
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+            }
+        }
+        let s = &self.stream;
+        let (mut xp, mut idp, mut wp) = (ptr(x, s), ptr(topk_ids, s), ptr(topk_weights, s));
+        let (mut w13, mut w13s, mut w2, mut w2s) =
+            (ptr(&self.w13, s), ptr(&self.w13_scales, s), ptr(&self.w2, s), ptr(&self.w2_scales, s));
+        let (mut midp, mut yp, mut errp) = (ptr(&mid, s), ptr(y, s), ptr(&self.errors, s));
+        let mut m_i32 = m as i32;
+        let block = self.warps * 32;
+        let pairs = (m * k) as u64;
+        let gu_items = pairs.min(self.spec.experts() as u64) * self.spec.intermediate() as u64;
+        let dn_items = h as u64 * (m as u64).div_ceil(tile as u64);
+        let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
+        let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
+        unsafe {
+            let mut gu = [
+                as_arg(&mut xp),
+                as_arg(&mut idp),
+                as_arg(&mut w13),
+                as_arg(&mut w13s),
+                as_arg(&mut midp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+                as_arg(&mut errp),
+            ];
+            launch(&fns.gate_up, s, grid(gu_items, fns.gate_up_blocks_per_sm), block, smem, false, &mut gu)?;
+            let mut dn = [
+                as_arg(&mut midp),
+                as_arg(&mut idp),
+                as_arg(&mut wp),
+                as_arg(&mut w2),
+                as_arg(&mut w2s),
+                as_arg(&mut yp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+            ];
+            launch(&fns.down, s, grid(dn_items, fns.down_blocks_per_sm), block, smem, true, &mut dn)?;
+        }
+        Ok(())
+    }
+
+    fn check_ids(&self, topk_ids: &CudaSlice<i32>) -> Result<()> {
+        let ids = self.stream.clone_dtoh(topk_ids)?;
+        validate_ids(&ids, self.spec.experts())
+    }
+}
+
+/// Every id in `[0, experts)`, else a typed error naming the first offender.
+pub fn validate_ids(ids: &[i32], experts: u32) -> Result<()> {
+    let bad = |&(_, &e): &(usize, &i32)| e < 0 || e as u32 >= experts;
+    let count = ids.iter().enumerate().filter(bad).count();
+    match ids.iter().enumerate().find(bad) {
+        None => Ok(()),
+        Some((first_pair, &first_id)) => Err(RuntimeError::ExpertIdOutOfRange { count, experts, first_pair, first_id }),
+    }
+}

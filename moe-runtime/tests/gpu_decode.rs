@@ -1,0 +1,179 @@
+//! Warp decode on a real GPU against the f64 CPU reference. Ignored without a GPU; run with
+//! `cargo test -- --ignored` on a GPU machine. Each test fails (never passes) when no GPU is found.
+
+use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moe_runtime::cudarc::driver::CudaSlice;
+use moe_codegen::{MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use moe_runtime::reference::{compare, moe_forward};
+use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::{ActElem, Device, HostWeights, MoeLayer, RuntimeError};
+
+fn gpu() -> Device {
+    Device::new(0).unwrap_or_else(|e| panic!("this test needs an NVIDIA GPU: {e}"))
+}
+
+struct Step<T> {
+    x: CudaSlice<T>,
+    ids: CudaSlice<i32>,
+    w: CudaSlice<f32>,
+    y: CudaSlice<T>,
+}
+
+/// Upload a step; `y` is poisoned with NaN so that an unwritten output cannot pass.
+fn upload<T: ActElem>(layer: &MoeLayer, x: &[f32], ids: &[i32], w: &[f32]) -> Step<T> {
+    let s = layer.stream();
+    let xs: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let poison = vec![T::from_f32(f32::NAN); x.len()];
+    Step {
+        x: s.clone_htod(&xs).unwrap(),
+        ids: s.clone_htod(ids).unwrap(),
+        w: s.clone_htod(w).unwrap(),
+        y: s.clone_htod(&poison).unwrap(),
+    }
+}
+
+fn run<T: ActElem>(layer: &MoeLayer, st: &mut Step<T>) -> Vec<f32> {
+    layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
+    layer.stream().clone_dtoh(&st.y).unwrap().into_iter().map(T::to_f32).collect()
+}
+
+fn check_case<T: ActElem>(layer: &MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64) -> (f64, f64) {
+    let spec = *layer.spec();
+    let (x, ids, rw) = random_step(&spec, m, skew, seed);
+    let mut st = upload::<T>(layer, &x, &ids, &rw);
+    let got = run(layer, &mut st);
+    let unwritten = got.iter().filter(|v| !v.is_finite()).count();
+    assert_eq!(unwritten, 0, "{}: m={m}: {unwritten} outputs unwritten or non-finite", spec.id());
+    compare(&got, &moe_forward(&spec, w, &x, &ids, &rw))
+}
+
+fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
+    let seed = fresh_seed();
+    let w = random_weights(&spec, seed);
+    let mut layer = MoeLayer::load(dev, spec, &w).unwrap();
+    layer.set_validate_routing(true);
+    for (n, &m) in ms.iter().enumerate() {
+        let case_seed = seed.wrapping_add(1 + n as u64);
+        let (rel, cos) = match spec.act_dtype() {
+            moe_codegen::ActDtype::Bf16 => check_case::<half::bf16>(&layer, &w, m, 0.3, case_seed),
+            moe_codegen::ActDtype::Fp16 => check_case::<half::f16>(&layer, &w, m, 0.3, case_seed),
+        };
+        println!("{:<44} m={m:<3} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed}", spec.id());
+        assert!(rel <= 5e-3 && cos >= 0.99999, "{} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {case_seed})", spec.id());
+    }
+}
+
+const MS: [usize; 6] = [1, 2, 3, 8, 32, 64];
+
+fn geometry_all_formats(name: &str) {
+    let dev = gpu();
+    let (_, h, i, e, k) = REFERENCE_GEOMETRIES.iter().copied().find(|g| g.0 == name).unwrap();
+    for format in WeightFormat::ALL {
+        let spec = MoeSpec::builder(h, i, e, k).weight_format(format).build().unwrap();
+        layer_cases(&dev, spec, &MS);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn qwen3_30b_a3b_matches_reference() {
+    geometry_all_formats("qwen3-30b-a3b");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn mixtral_8x7b_matches_reference() {
+    geometry_all_formats("mixtral-8x7b");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn olmoe_matches_reference() {
+    geometry_all_formats("olmoe");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpt_oss_20b_matches_reference() {
+    geometry_all_formats("gpt-oss-20b");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gelu_and_every_token_on_one_expert() {
+    let dev = gpu();
+    let spec =
+        MoeSpec::builder(1024, 512, 16, 4).activation(moe_codegen::Activation::GeluTanh).build().unwrap();
+    layer_cases(&dev, spec, &[1, 5, 64]);
+    // skew 1.0 with e / 8 < k: every token draws from the same k experts.
+    let w = random_weights(&spec, fresh_seed());
+    let layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    let (rel, cos) = check_case::<half::bf16>(&layer, &w, 40, 1.0, fresh_seed());
+    assert!(rel <= 5e-3 && cos >= 0.99999, "rel {rel} cos {cos}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_capture_and_replay() {
+    let dev = gpu();
+    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    layer.set_validate_routing(false);
+    let m = 4;
+    layer.reserve(m).unwrap();
+    let (x, ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
+    let mut st = upload::<half::bf16>(&layer, &x, &ids, &rw);
+    let s = layer.stream().clone();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
+    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured a graph");
+    // Replay on fresh inputs written into the captured buffers.
+    for r in 0..3 {
+        let (x, ids, rw) = random_step(&spec, m, 0.0, fresh_seed() + r);
+        let xs: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        s.memcpy_htod(&xs, &mut st.x).unwrap();
+        s.memcpy_htod(&ids, &mut st.ids).unwrap();
+        s.memcpy_htod(&rw, &mut st.w).unwrap();
+        s.memcpy_htod(&vec![half::bf16::NAN; m * 2048], &mut st.y).unwrap();
+        graph.launch().unwrap();
+        let got: Vec<f32> = s.clone_dtoh(&st.y).unwrap().into_iter().map(|v| v.to_f32()).collect();
+        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, &ids, &rw));
+        println!("graph replay {r}: rel_l2={rel:.3e} cos={cos:.8}");
+        assert!(rel <= 5e-3 && cos >= 0.99999);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bad_input_is_a_typed_error() {
+    let dev = gpu();
+    let spec = MoeSpec::builder(512, 256, 16, 2).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    let (x, mut ids, rw) = random_step(&spec, 3, 0.0, fresh_seed());
+    ids[3] = 16;
+    layer.set_validate_routing(true);
+    let mut st = upload::<half::bf16>(&layer, &x, &ids, &rw);
+    let err = layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap_err();
+    assert!(
+        matches!(err, RuntimeError::ExpertIdOutOfRange { count: 1, experts: 16, first_pair: 3, first_id: 16 }),
+        "{err}"
+    );
+    // Unchecked, the kernels skip the bad id, count it, and stay in bounds.
+    layer.set_validate_routing(false);
+    layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
+    assert_eq!(layer.take_routing_errors().unwrap(), 1);
+    assert_eq!(layer.take_routing_errors().unwrap(), 0);
+    // Shapes and dtypes.
+    let short = layer.stream().clone_htod(&ids[..5]).unwrap();
+    assert!(matches!(layer.forward(&st.x, &short, &st.w, &mut st.y), Err(RuntimeError::Shape { what: "topk_ids", .. })));
+    let xh: CudaSlice<half::f16> = layer.stream().alloc_zeros(3 * 512).unwrap();
+    let mut yh: CudaSlice<half::f16> = layer.stream().alloc_zeros(3 * 512).unwrap();
+    assert!(matches!(
+        layer.forward(&xh, &st.ids, &st.w, &mut yh),
+        Err(RuntimeError::Shape { what: "activation dtype", .. })
+    ));
+    let bad_weights = HostWeights { w13: vec![0; 10], ..w.clone() };
+    assert!(matches!(MoeLayer::load(&dev, spec, &bad_weights), Err(RuntimeError::Shape { what: "w13 bytes", .. })));
+}
