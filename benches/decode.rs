@@ -9,7 +9,7 @@ use moe_runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, 
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::{Device, MoeLayer};
-use moeforge::codegen::{MoeSpec, WeightFormat};
+use moeforge::codegen::{render_warp_decode, DecodeTiles, MoeSpec, WeightFormat};
 use std::sync::Arc;
 
 const MS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
@@ -107,10 +107,15 @@ fn today() -> String {
 }
 
 fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
+    layers_with_tiles(dev, spec, DecodeTiles::for_spec(&spec))
+}
+
+fn layers_with_tiles(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<MoeLayer> {
     let w = random_weights(&spec, fresh_seed());
+    let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
     (0..LAYERS)
         .map(|_| {
-            let mut l = MoeLayer::load(dev, spec, &w).unwrap();
+            let mut l = MoeLayer::with_source(dev, spec, src.clone(), &w).unwrap();
             l.set_validate_routing(false);
             l
         })
@@ -156,6 +161,47 @@ fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
     }
 }
 
+/// Compare tile configurations at a few step sizes (tuning aid; prints only).
+fn sweep(dev: &Device) {
+    let s = dev.stream().clone();
+    let copy = copy_gbps(&s);
+    println!("sweep: copy bandwidth {copy:.0} GB/s");
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+        let spec = qwen(format);
+        let d = DecodeTiles::for_spec(&spec);
+        let configs = [
+            d,
+            DecodeTiles { warps: 4, ..d },
+            DecodeTiles { gu_chunk: (d.gu_chunk * 2).min(8), ..d },
+            DecodeTiles { dn_experts: 2, ..d },
+            DecodeTiles { warps: 4, dn_experts: 2, ..d },
+        ];
+        for t in configs {
+            let layers = layers_with_tiles(dev, spec, t);
+            let mut line = format!("{:<9} w{} gu{} dn{}x{}:", format.name(), t.warps, t.gu_chunk, t.dn_experts, t.dn_chunk);
+            for m in [1, 2, 8, 32] {
+                let case = build_case(&layers, &spec, m);
+                let us = time_graph(&s, &case.graph, 50) / LAYERS as f64;
+                let pct = 100.0 * case.bytes_per_layer / (us * 1e-6) / 1e9 / copy;
+                line += &format!("  m{m} {us:7.2}us {pct:5.1}%");
+            }
+            println!("{line}");
+        }
+    }
+}
+
+/// Plain forwards (no graph) for a profiler: `--profile bf16 1`.
+fn profile(dev: &Device, format: WeightFormat, m: usize) {
+    let spec = qwen(format);
+    let layers = layers_for(dev, spec);
+    let case = build_case(&layers, &spec, m);
+    for _ in 0..3 {
+        case.graph.launch().unwrap();
+    }
+    dev.stream().synchronize().unwrap();
+    println!("profiled {format} m={m}");
+}
+
 fn criterion_bench(dev: &Device) {
     let mut c = criterion::Criterion::default().configure_from_args();
     let s = dev.stream().clone();
@@ -191,7 +237,12 @@ fn main() {
             return;
         }
     };
-    if let Some(i) = args.iter().position(|a| a == "--report") {
+    if args.iter().any(|a| a == "--sweep") {
+        sweep(&dev);
+    } else if let Some(i) = args.iter().position(|a| a == "--profile") {
+        let format: WeightFormat = args[i + 1].parse().unwrap();
+        profile(&dev, format, args[i + 2].parse().unwrap());
+    } else if let Some(i) = args.iter().position(|a| a == "--report") {
         let out = args.get(i + 1).filter(|a| !a.starts_with("--")).map(String::as_str);
         report(&dev, out, &[WeightFormat::Bf16, WeightFormat::Fp8E4m3]);
     } else {

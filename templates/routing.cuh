@@ -12,9 +12,13 @@ struct Routing {
     const int* entries;  // [num_pairs] pair indices grouped by expert
 };
 
-// Shared-memory ints the routing needs for a step of num_pairs pairs (mirrored on the host).
+// Shared-memory ints the routing needs for a step of num_pairs pairs, plus one int of scratch per
+// unique expert for the caller (mirrored on the host by routing_smem_bytes).
 __host__ __device__ constexpr int routing_smem_ints(int num_pairs, int experts) {
-    return experts + 3 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+    return experts + 4 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+}
+__device__ __forceinline__ int* routing_scratch(int* smem, int num_pairs, int experts) {
+    return smem + experts + 3 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
 }
 
 __device__ __forceinline__ unsigned lanemask_lt() {
@@ -45,7 +49,7 @@ __device__ Routing build_routing(const int* __restrict__ topk_ids, int num_pairs
             if (p < num_pairs) {
                 e = __ldg(topk_ids + p);
                 if (e < 0 || e >= experts) {
-                    if (err) atomicAdd(err, 1);
+                    if (err && blockIdx.x == 0) atomicAdd(err, 1);  // every block sees it; count once
                     e = -1;
                 }
             }

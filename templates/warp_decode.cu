@@ -22,7 +22,9 @@ constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per expert row (down)
-constexpr int DN_EXPERTS = {{ dn_experts }};  // expert rows streamed together (down)
+constexpr int DN_EXPERTS = {{ dn_experts }};  // expert rows per unit (down), at one token per tile
+// Fewer experts per unit for larger token tiles: the per-(expert, token) weights live in registers.
+__host__ __device__ constexpr int dn_experts(int mt) { return DN_EXPERTS < 16 / mt ? DN_EXPERTS : (16 / mt > 0 ? 16 / mt : 1); }
 
 constexpr int NV_H = HIDDEN / W_VEC;      // 16-byte vectors per w13 row
 constexpr int NV_I = INTER / W_VEC;       // 16-byte vectors per w2 row
@@ -62,72 +64,98 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 }
 
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
-// MT: tokens served per pass over a row (a row is re-read, from L2, only past MT tokens).
+// A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
+// the row) and always has the next unit's weight loads in flight while it does the current math.
 template <int MT>
 __device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* __restrict__ topk_ids,
                                         const uint4* __restrict__ w13, const float* __restrict__ w13_scales,
                                         float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
-    // The down kernel may launch now and build its routing while this one streams.
-    pdl_launch_dependents();
+    pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
+    pdl_launch_dependents();  // the down kernel may launch and build its routing now
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     const int lane = threadIdx.x & 31;
-    const long total = (long)r.num_unique * INTER;
-    for (long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5); item < total; item += (long)gridDim.x * WARPS) {
-        const int u = (int)(item / INTER);
-        const int n = (int)(item % INTER);
-        const long grow = (long)r.uexp[u] * 2 * INTER + n;
-        const long urow = grow + INTER;
+    const long items = (long)r.num_unique * INTER;
+    const long stride = (long)gridDim.x * WARPS;
+    long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (item >= items) return;
+
+    // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
+    int base = 0, c0 = 0;
+    uint4 gv[GU_CHUNK], uv[GU_CHUNK];
+    auto rows = [&](long it, long& grow) {
+        grow = (long)r.uexp[it / INTER] * 2 * INTER + it % INTER;
+    };
+    auto load = [&](long it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK]) {
+        long grow;
+        rows(it, grow);
         const uint4* gp = w13 + grow * NV_H;
-        const uint4* up = w13 + urow * NV_H;
-        const int cnt = r.ucnt[u];
+        const uint4* up = gp + (long)INTER * NV_H;
+#pragma unroll
+        for (int i = 0; i < GU_CHUNK; ++i) {
+            const int v = (c + i) * 32 + lane;
+            if (c + i < VPL_H && v < NV_H) {
+                g[i] = ldg_stream(gp + v);
+                u[i] = ldg_stream(up + v);
+            }
+        }
+    };
+    int nt = 0;
+    int pair[MT];
+    const act_t* xr[MT];
+    float ag[MT], au[MT];
+    auto setup = [&](long it, int b) {
+        const int u = (int)(it / INTER);
         const int* ent = r.entries + r.uoff[u];
-        for (int base = 0; base < cnt; base += MT) {
-            const int nt = min(MT, cnt - base);
-            int pair[MT];
-            const act_t* xr[MT];
-            float ag[MT], au[MT];
+        nt = min(MT, r.ucnt[u] - b);
 #pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                pair[j] = j < nt ? ent[base + j] : 0;
-                xr[j] = x + (long)(pair[j] / TOP_K) * HIDDEN;
-                ag[j] = 0.0f;
-                au[j] = 0.0f;
+        for (int j = 0; j < MT; ++j) {
+            pair[j] = j < nt ? ent[b + j] : 0;
+            xr[j] = x + (long)(pair[j] / TOP_K) * HIDDEN;
+            ag[j] = 0.0f;
+            au[j] = 0.0f;
+        }
+    };
+    load(item, 0, gv, uv);
+    setup(item, 0);
+    while (true) {
+        long nitem = item;
+        int nbase = base, nc0 = c0 + GU_CHUNK;
+        if (nc0 >= VPL_H) {
+            nc0 = 0;
+            nbase = base + MT;
+            if (nbase >= r.ucnt[item / INTER]) {
+                nbase = 0;
+                nitem = item + stride;
             }
-            // Long rows loop over chunks; only the chunk itself is unrolled.
-#pragma unroll 1
-            for (int c0 = 0; c0 < VPL_H; c0 += GU_CHUNK) {
-                // All of this chunk's weight loads are issued before any of its math.
-                uint4 gv[GU_CHUNK], uv[GU_CHUNK];
+        }
+        const bool more = nitem < items;
+        uint4 gn[GU_CHUNK], un[GU_CHUNK];
+        if (more) load(nitem, nc0, gn, un);  // in flight during this unit's math
 #pragma unroll
-                for (int i = 0; i < GU_CHUNK; ++i) {
-                    const int v = (c0 + i) * 32 + lane;
-                    if (c0 + i < VPL_H && v < NV_H) {
-                        gv[i] = ldg_stream(gp + v);
-                        uv[i] = ldg_stream(up + v);
-                    }
-                }
+        for (int i = 0; i < GU_CHUNK; ++i) {
+            const int v = (c0 + i) * 32 + lane;
+            if (c0 + i < VPL_H && v < NV_H) {
+                float g[W_VEC], w[W_VEC];
+                dequant_vec(gv[i], g);
+                dequant_vec(uv[i], w);
 #pragma unroll
-                for (int i = 0; i < GU_CHUNK; ++i) {
-                    const int v = (c0 + i) * 32 + lane;
-                    if (c0 + i < VPL_H && v < NV_H) {
-                        float g[W_VEC], w[W_VEC];
-                        dequant_vec(gv[i], g);
-                        dequant_vec(uv[i], w);
-#pragma unroll
-                        for (int j = 0; j < MT; ++j) {
-                            if (j < nt) {
-                                float a[W_VEC];
-                                load_x(xr[j], v, a);
-                                ag[j] += dot(g, a);
-                                au[j] += dot(w, a);
-                            }
-                        }
+                for (int j = 0; j < MT; ++j) {
+                    if (j < nt) {
+                        float a[W_VEC];
+                        load_x(xr[j], v, a);
+                        ag[j] += dot(g, a);
+                        au[j] += dot(w, a);
                     }
                 }
             }
+        }
+        if (nc0 == 0) {  // the pass is complete: reduce, activate, store
+            long grow;
+            rows(item, grow);
             const float gs = row_scale(w13_scales, grow);
-            const float us = row_scale(w13_scales, urow);
+            const float us = row_scale(w13_scales, grow + INTER);
+            const int n = (int)(item % INTER);
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
                 if (j < nt) {
@@ -136,108 +164,202 @@ __device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* 
                     if (lane == 0) mid[(long)pair[j] * INTER + n] = moe_act(g) * v;
                 }
             }
+            if (!more) break;
+            setup(nitem, nbase);
+        }
+        item = nitem;
+        base = nbase;
+        c0 = nc0;
+#pragma unroll
+        for (int i = 0; i < GU_CHUNK; ++i) {
+            gv[i] = gn[i];
+            uv[i] = un[i];
         }
     }
 }
 
-// y[t][h] = sum over t's slots s of weight[t][s] * (w2[e_s][h] . mid[t, s]), for the MT tokens of
-// one group; the per-expert products never leave registers.
-template <int MT>
+// y[t][h] = sum over t's slots s of weight[t][s] * (w2[e_s][h] . mid[t, s]) for the MT tokens of
+// one group; the per-expert products never leave registers. Units are (item = (h, group),
+// DE experts that serve the group, chunk of their rows); the next unit's loads are issued
+// before the current unit's math.
+template <int MT, int DE>
 __device__ __forceinline__ void down(const float* __restrict__ mid, const int* __restrict__ topk_ids,
                                      const float* __restrict__ topk_weights, const uint4* __restrict__ w2,
                                      const float* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
     extern __shared__ int smem[];
     // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
+    const int groups = (m + MT - 1) / MT;
+    // Which token groups each expert serves (groups > 32: every expert is tried, and skipped
+    // at run time when it serves none of the group).
+    unsigned* gmask = reinterpret_cast<unsigned*>(routing_scratch(smem, m * TOP_K, EXPERTS));
+    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
+        unsigned mk = 0;
+        for (int c = 0; c < r.ucnt[u]; ++c) {
+            const int g = r.entries[r.uoff[u] + c] / TOP_K / MT;
+            mk |= g < 32 ? 1u << g : 0xffffffffu;
+        }
+        gmask[u] = groups > 32 ? 0xffffffffu : mk;
+    }
+    __syncthreads();
     pdl_wait();  // mid is gate_up's output
     const int lane = threadIdx.x & 31;
-    const int groups = (m + MT - 1) / MT;
-    const long total = (long)HIDDEN * groups;
-    for (long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5); item < total; item += (long)gridDim.x * WARPS) {
-        const int h = (int)(item / groups);
-        const int t0 = (int)(item % groups) * MT;
-        float acc[MT];
+    const long items = (long)HIDDEN * groups;
+    const long stride = (long)gridDim.x * WARPS;
+    long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+
+    // The next up-to-DE experts at or after `from` that serve group g (-1: none).
+    auto next_experts = [&](int g, int from, int (&us)[DE]) {
+        int u = from;
 #pragma unroll
-        for (int j = 0; j < MT; ++j) acc[j] = 0.0f;
-        for (int u0 = 0; u0 < r.num_unique; u0 += DN_EXPERTS) {
-            // For each expert in flight: which of the group's tokens it serves, and with what weight.
-            float wgt[DN_EXPERTS][MT];
-            int pr[DN_EXPERTS][MT];
-            long row[DN_EXPERTS];
-            bool live[DN_EXPERTS];
+        for (int q = 0; q < DE; ++q) {
+            while (u < r.num_unique && !((gmask[u] >> (g & 31)) & 1u)) ++u;
+            us[q] = u < r.num_unique ? u : -1;
+            ++u;
+        }
+    };
+    auto load = [&](long it, const int (&us)[DE], int c, uint4 (&wv)[DE][DN_CHUNK]) {
+        const int h = (int)(it / groups);
 #pragma unroll
-            for (int q = 0; q < DN_EXPERTS; ++q) {
-                const int u = u0 + q;
-                live[q] = false;
-                row[q] = 0;
+        for (int q = 0; q < DE; ++q) {
+            if (us[q] >= 0) {
+                const uint4* row = w2 + ((long)r.uexp[us[q]] * HIDDEN + h) * NV_I;
 #pragma unroll
-                for (int j = 0; j < MT; ++j) {
-                    wgt[q][j] = 0.0f;
-                    pr[q][j] = -1;
-                }
-                if (u < r.num_unique) {
-                    const int* ent = r.entries + r.uoff[u];
-                    const int cnt = r.ucnt[u];
-                    for (int c = 0; c < cnt; ++c) {
-                        const int p = ent[c];
-                        const int j = p / TOP_K - t0;
-                        if (j >= MT) break;  // entries are in token order
-                        if (j < 0) continue;
-                        const float wt = __ldg(topk_weights + p);
-#pragma unroll
-                        for (int jj = 0; jj < MT; ++jj) {
-                            // A token routed twice to one expert has identical mid rows: sum the weights.
-                            if (jj == j) {
-                                wgt[q][jj] += wt;
-                                pr[q][jj] = p;
-                                live[q] = true;
-                            }
-                        }
-                    }
-                    row[q] = (long)r.uexp[u] * HIDDEN + h;
-                    const float s = row_scale(w2_scales, row[q]);
-#pragma unroll
-                    for (int jj = 0; jj < MT; ++jj) wgt[q][jj] *= s;
-                }
-            }
-#pragma unroll 1
-            for (int c0 = 0; c0 < VPL_I; c0 += DN_CHUNK) {
-                uint4 wv[DN_EXPERTS][DN_CHUNK];
-#pragma unroll
-                for (int q = 0; q < DN_EXPERTS; ++q) {
-#pragma unroll
-                    for (int i = 0; i < DN_CHUNK; ++i) {
-                        const int v = (c0 + i) * 32 + lane;
-                        if (live[q] && c0 + i < VPL_I && v < NV_I) wv[q][i] = ldg_stream(w2 + row[q] * NV_I + v);
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < DN_EXPERTS; ++q) {
-#pragma unroll
-                    for (int i = 0; i < DN_CHUNK; ++i) {
-                        const int v = (c0 + i) * 32 + lane;
-                        if (live[q] && c0 + i < VPL_I && v < NV_I) {
-                            float w[W_VEC];
-                            dequant_vec(wv[q][i], w);
-#pragma unroll
-                            for (int j = 0; j < MT; ++j) {
-                                if (pr[q][j] >= 0) {
-                                    float a[W_VEC];
-                                    load_mid(mid + (long)pr[q][j] * INTER, v, a);
-                                    acc[j] = fmaf(wgt[q][j], dot(w, a), acc[j]);
-                                }
-                            }
-                        }
-                    }
+                for (int i = 0; i < DN_CHUNK; ++i) {
+                    const int v = (c + i) * 32 + lane;
+                    if (c + i < VPL_I && v < NV_I) wv[q][i] = ldg_stream(row + v);
                 }
             }
         }
+    };
+
+    float acc[MT];
+    float wgt[DE][MT];
+    int pr[DE][MT];
+    int us[DE];
+    int c0 = 0;
+    // Per-expert routing weights (times the row scale) and pair indices for the group's tokens.
+    auto setup = [&](long it) {
+        const int h = (int)(it / groups);
+        const int t0 = (int)(it % groups) * MT;
+#pragma unroll
+        for (int q = 0; q < DE; ++q) {
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                wgt[q][j] = 0.0f;
+                pr[q][j] = -1;
+            }
+            if (us[q] >= 0) {
+                const int* ent = r.entries + r.uoff[us[q]];
+                const int cnt = r.ucnt[us[q]];
+                for (int c = 0; c < cnt; ++c) {
+                    const int p = ent[c];
+                    const int j = p / TOP_K - t0;
+                    if (j >= MT) break;  // entries are in token order
+                    if (j < 0) continue;
+                    const float wt = __ldg(topk_weights + p);
+#pragma unroll
+                    for (int jj = 0; jj < MT; ++jj) {
+                        // A token routed twice to one expert has identical mid rows: sum the weights.
+                        if (jj == j) {
+                            wgt[q][jj] += wt;
+                            pr[q][jj] = p;
+                        }
+                    }
+                }
+                const float s = row_scale(w2_scales, (long)r.uexp[us[q]] * HIDDEN + h);
+#pragma unroll
+                for (int j = 0; j < MT; ++j) wgt[q][j] *= s;
+            }
+        }
+    };
+    auto write_zeros = [&](long it) {
+        const int h = (int)(it / groups);
+        const int t0 = (int)(it % groups) * MT;
+        if (lane < MT && t0 + lane < m) y[(long)(t0 + lane) * HIDDEN + h] = narrow(0.0f, (const act_t*)nullptr);
+    };
+    auto finish = [&](long it) {
+        const int h = (int)(it / groups);
+        const int t0 = (int)(it % groups) * MT;
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
             if (t0 + j < m) {
                 const float v = warp_sum(acc[j]);
                 if (lane == 0) y[(long)(t0 + j) * HIDDEN + h] = narrow(v, (const act_t*)nullptr);
             }
+            acc[j] = 0.0f;
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < MT; ++j) acc[j] = 0.0f;
+    // First unit: skip (writing zeros) any item no expert serves (only with skipped bad ids).
+    while (item < items) {
+        next_experts((int)(item % groups), 0, us);
+        if (us[0] >= 0) break;
+        write_zeros(item);
+        item += stride;
+    }
+    if (item >= items) return;
+    uint4 wv[DE][DN_CHUNK];
+    load(item, us, 0, wv);
+    setup(item);
+    while (true) {
+        long nitem = item;
+        int nus[DE];
+        int nc0 = c0 + DN_CHUNK;
+        bool new_experts = false;
+        if (nc0 < VPL_I) {
+#pragma unroll
+            for (int q = 0; q < DE; ++q) nus[q] = us[q];
+        } else {
+            nc0 = 0;
+            new_experts = true;
+            int last = us[0];
+#pragma unroll
+            for (int q = 1; q < DE; ++q) last = us[q] >= 0 ? us[q] : last;
+            next_experts((int)(nitem % groups), last + 1, nus);
+            while (nus[0] < 0) {  // item done: move to the next one that has work
+                nitem += stride;
+                if (nitem >= items) break;
+                next_experts((int)(nitem % groups), 0, nus);
+                if (nus[0] < 0) write_zeros(nitem);  // nothing routed here
+            }
+        }
+        const bool more = nitem < items;
+        uint4 wn[DE][DN_CHUNK];
+        if (more) load(nitem, nus, nc0, wn);  // in flight during this unit's math
+#pragma unroll
+        for (int q = 0; q < DE; ++q) {
+            if (us[q] >= 0) {
+#pragma unroll
+                for (int i = 0; i < DN_CHUNK; ++i) {
+                    const int v = (c0 + i) * 32 + lane;
+                    if (c0 + i < VPL_I && v < NV_I) {
+                        float w[W_VEC];
+                        dequant_vec(wv[q][i], w);
+#pragma unroll
+                        for (int j = 0; j < MT; ++j) {
+                            if (pr[q][j] >= 0) {
+                                float a[W_VEC];
+                                load_mid(mid + (long)pr[q][j] * INTER, v, a);
+                                acc[j] = fmaf(wgt[q][j], dot(w, a), acc[j]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if (nitem != item) finish(item);
+        if (!more) break;
+        item = nitem;
+        c0 = nc0;
+#pragma unroll
+        for (int q = 0; q < DE; ++q) us[q] = nus[q];
+        if (new_experts) setup(item);
+#pragma unroll
+        for (int q = 0; q < DE; ++q) {
+#pragma unroll
+            for (int i = 0; i < DN_CHUNK; ++i) wv[q][i] = wn[q][i];
         }
     }
 }
@@ -252,6 +374,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const float* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
-    down<{{ mt }}>(mid, topk_ids, topk_weights, w2, w2_scales, y, m);
+    down<{{ mt }}, dn_experts({{ mt }})>(mid, topk_ids, topk_weights, w2, w2_scales, y, m);
 }
 {%- endfor %}

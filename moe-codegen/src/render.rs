@@ -37,7 +37,9 @@ impl DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let vpl_i = (spec.intermediate() / vec).div_ceil(32);
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(8), dn_chunk: vpl_i.min(4), dn_experts: 2 }
+        let dn_chunk = vpl_i.min(4);
+        let dn_experts = (12 / dn_chunk).clamp(1, 4).min(spec.top_k());
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, dn_experts }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -56,6 +58,8 @@ pub struct KernelSource {
     pub source: String,
     /// `extern "C"` entry points the module defines.
     pub entry_points: Vec<String>,
+    /// Threads per block every entry point is built for (its `__launch_bounds__`).
+    pub block_threads: u32,
 }
 
 #[derive(Template)]
@@ -107,7 +111,16 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         name: format!("{}_{}", KernelFamily::WarpDecode, spec.id()),
         source,
         entry_points: entry_points(KernelFamily::WarpDecode),
+        block_threads: tiles.warps * 32,
     })
+}
+
+/// Threads per block of a family's kernels for a spec: what [`render`] puts in
+/// [`KernelSource::block_threads`].
+pub fn block_threads(spec: &MoeSpec, family: KernelFamily) -> u32 {
+    match family {
+        KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).warps * 32,
+    }
 }
 
 /// The `extern "C"` entry points a family's rendered module defines: the list [`render`] puts in
@@ -124,7 +137,7 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
 pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let pairs = m * spec.top_k();
     let e = spec.experts();
-    4 * (e + 3 * pairs.min(e) + 2 * pairs + 1)
+    4 * (e + 4 * pairs.min(e) + 2 * pairs + 1)
 }
 
 /// Every (family, format) variant for a geometry, as specs (used by `moe-jit check` and tests).
@@ -213,12 +226,12 @@ mod tests {
     fn tiles_and_smem() {
         let s = qwen(WeightFormat::Bf16);
         let t = DecodeTiles::for_spec(&s);
-        assert_eq!((t.gu_chunk, t.dn_chunk), (8, 3));
+        assert_eq!((t.gu_chunk, t.dn_chunk, t.dn_experts), (4, 3, 4));
         assert_eq!(DecodeTiles::token_tile(1), 1);
         assert_eq!(DecodeTiles::token_tile(3), 4);
         assert_eq!(DecodeTiles::token_tile(64), 8);
-        // 128 map + 3*8 + 2*8 + 1 ints at M = 1.
-        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 24 + 16 + 1));
+        // 128 map + 4*8 + 2*8 + 1 ints at M = 1.
+        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 32 + 16 + 1));
         let _ = ActDtype::Bf16;
     }
 }

@@ -107,7 +107,7 @@ impl MoeLayer {
         weights.validate(&spec)?;
         let module = device.load(&src)?;
         let stream = device.stream().clone();
-        let warps = DecodeTiles::for_spec(&spec).warps;
+        let warps = src.block_threads / 32;
         let sizing_smem = routing_smem_bytes(&spec, 64);
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
@@ -256,7 +256,9 @@ impl MoeLayer {
                 &mut m_i32 as *mut i32 as *mut c_void,
                 as_arg(&mut errp),
             ];
-            launch(&fns.gate_up, s, grid(gu_items, fns.gate_up_blocks_per_sm), block, smem, false, &mut gu)?;
+            // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
+            // touches memory its predecessor may use, so only launch latency overlaps.
+            launch(&fns.gate_up, s, grid(gu_items, fns.gate_up_blocks_per_sm), block, smem, true, &mut gu)?;
             let mut dn = [
                 as_arg(&mut midp),
                 as_arg(&mut idp),

@@ -23,6 +23,9 @@ enum Cmd {
         /// Print the ptxas register / spill report of every entry point.
         #[arg(long)]
         resources: bool,
+        /// Write each CUBIN and its source into this folder (for nvdisasm / cuobjdump).
+        #[arg(long)]
+        dump: Option<std::path::PathBuf>,
     },
     /// The on-disk kernel cache ($MOEFORGE_CACHE_DIR, else the XDG cache dir).
     Cache {
@@ -44,12 +47,12 @@ enum CacheOp {
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     match Cli::parse().cmd {
-        Cmd::Check { arch, resources } => check(&arch, resources),
+        Cmd::Check { arch, resources, dump } => check(&arch, resources, dump.as_deref()),
         Cmd::Cache { op } => cache(op),
     }
 }
 
-fn check(archs: &[Arch], resources: bool) -> ExitCode {
+fn check(archs: &[Arch], resources: bool, dump: Option<&std::path::Path>) -> ExitCode {
     let tk = match toolkit() {
         Ok(t) => t,
         Err(e) => {
@@ -75,6 +78,16 @@ fn check(archs: &[Arch], resources: bool) -> ExitCode {
                             c.cubin.len(),
                             t0.elapsed().as_millis()
                         );
+                        if let Some(dir) = dump {
+                            let base = dir.join(format!("{}.{arch}", src.name));
+                            let written = std::fs::create_dir_all(dir)
+                                .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cubin")), &c.cubin))
+                                .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cu")), &src.source));
+                            if let Err(e) = written {
+                                eprintln!("cannot write into {}: {e}", dir.display());
+                                return ExitCode::FAILURE;
+                            }
+                        }
                         if resources {
                             for (f, regs, spill, stack) in resource_report(&c.log) {
                                 println!("        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
