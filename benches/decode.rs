@@ -111,12 +111,17 @@ fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
 }
 
 fn layers_with_tiles(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<MoeLayer> {
+    layers_with(dev, spec, tiles, true)
+}
+
+fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> Vec<MoeLayer> {
     let w = random_weights(&spec, fresh_seed());
     let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
     (0..LAYERS)
         .map(|_| {
             let mut l = MoeLayer::with_source(dev, spec, src.clone(), &w).unwrap();
             l.set_validate_routing(false);
+            l.set_fused(fused);
             l
         })
         .collect()
@@ -170,15 +175,23 @@ fn sweep(dev: &Device) {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
         let configs = [
-            d,
-            DecodeTiles { warps: 4, ..d },
-            DecodeTiles { gu_chunk: (d.gu_chunk * 2).min(8), ..d },
-            DecodeTiles { dn_experts: 2, ..d },
-            DecodeTiles { warps: 4, dn_experts: 2, ..d },
+            (d, true),
+            (d, false),
+            (DecodeTiles { warps: 4, ..d }, true),
+            (DecodeTiles { gu_chunk: (d.gu_chunk * 2).min(8), ..d }, true),
+            (DecodeTiles { dn_experts: 1, ..d }, true),
         ];
-        for t in configs {
-            let layers = layers_with_tiles(dev, spec, t);
-            let mut line = format!("{:<9} w{} gu{} dn{}x{}:", format.name(), t.warps, t.gu_chunk, t.dn_experts, t.dn_chunk);
+        for (t, fused) in configs {
+            let layers = layers_with(dev, spec, t, fused);
+            let kind = if fused { "fused" } else { "split" };
+            let mut line = format!(
+                "{:<9} {kind} w{} gu{} dn{}x{}:",
+                format.name(),
+                t.warps,
+                t.gu_chunk,
+                t.dn_experts,
+                t.dn_chunk
+            );
             for m in [1, 2, 8, 32] {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50) / LAYERS as f64;

@@ -43,12 +43,14 @@ __device__ __forceinline__ void load_x(const act_t* __restrict__ row, int v, flo
     }
 }
 
-// W_VEC fp32 intermediate activations starting at vector v.
+// W_VEC fp32 intermediate activations starting at vector v. COHERENT: written by this grid,
+// so read through L2 (ld.global.cg), never a possibly stale L1 line.
+template <bool COHERENT>
 __device__ __forceinline__ void load_mid(const float* __restrict__ row, int v, float (&a)[W_VEC]) {
     const float4* p = reinterpret_cast<const float4*>(row) + v * (W_VEC / 4);
 #pragma unroll
     for (int h = 0; h < W_VEC / 4; ++h) {
-        const float4 f = __ldg(p + h);
+        const float4 f = COHERENT ? __ldcg(p + h) : __ldg(p + h);
         a[4 * h] = f.x;
         a[4 * h + 1] = f.y;
         a[4 * h + 2] = f.z;
@@ -66,14 +68,11 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
 // A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
 // the row) and always has the next unit's weight loads in flight while it does the current math.
-template <int MT>
-__device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* __restrict__ topk_ids,
-                                        const uint4* __restrict__ w13, const float* __restrict__ w13_scales,
-                                        float* __restrict__ mid, int m, int* __restrict__ err) {
-    extern __shared__ int smem[];
-    pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
-    pdl_launch_dependents();  // the down kernel may launch and build its routing now
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
+// FUSED: each finished pass bumps ready[u] (release), for the fused kernel's down phase.
+template <int MT, bool FUSED>
+__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x,
+                                              const uint4* __restrict__ w13, const float* __restrict__ w13_scales,
+                                              float* __restrict__ mid, int* __restrict__ ready) {
     const int lane = threadIdx.x & 31;
     const long items = (long)r.num_unique * INTER;
     const long stride = (long)gridDim.x * WARPS;
@@ -164,6 +163,7 @@ __device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* 
                     if (lane == 0) mid[(long)pair[j] * INTER + n] = moe_act(g) * v;
                 }
             }
+            if (FUSED && lane == 0) red_release_add(ready + item / INTER, 1);
             if (!more) break;
             setup(nitem, nbase);
         }
@@ -182,13 +182,13 @@ __device__ __forceinline__ void gate_up(const act_t* __restrict__ x, const int* 
 // one group; the per-expert products never leave registers. Units are (item = (h, group),
 // DE experts that serve the group, chunk of their rows); the next unit's loads are issued
 // before the current unit's math.
-template <int MT, int DE>
-__device__ __forceinline__ void down(const float* __restrict__ mid, const int* __restrict__ topk_ids,
-                                     const float* __restrict__ topk_weights, const uint4* __restrict__ w2,
-                                     const float* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
-    extern __shared__ int smem[];
-    // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
+// FUSED: mid is produced by this same grid; wait on ready[u] before reading an expert's rows,
+// and read them through L2 (other SMs wrote them).
+template <int MT, int DE, bool FUSED>
+__device__ __forceinline__ void down_phase(const Routing& r, int* smem, const float* __restrict__ mid,
+                                           const float* __restrict__ topk_weights, const uint4* __restrict__ w2,
+                                           const float* __restrict__ w2_scales, act_t* __restrict__ y, int m,
+                                           const int* __restrict__ ready) {
     const int groups = (m + MT - 1) / MT;
     // Which token groups each expert serves (groups > 32: every expert is tried, and skipped
     // at run time when it serves none of the group).
@@ -202,7 +202,7 @@ __device__ __forceinline__ void down(const float* __restrict__ mid, const int* _
         gmask[u] = groups > 32 ? 0xffffffffu : mk;
     }
     __syncthreads();
-    pdl_wait();  // mid is gate_up's output
+    if (!FUSED) pdl_wait();  // mid is gate_up's output
     const int lane = threadIdx.x & 31;
     const long items = (long)HIDDEN * groups;
     const long stride = (long)gridDim.x * WARPS;
@@ -242,6 +242,16 @@ __device__ __forceinline__ void down(const float* __restrict__ mid, const int* _
     auto setup = [&](long it) {
         const int h = (int)(it / groups);
         const int t0 = (int)(it % groups) * MT;
+        if (FUSED) {
+            // Every pass of gate_up over these experts must have landed.
+#pragma unroll
+            for (int q = 0; q < DE; ++q) {
+                if (us[q] >= 0) {
+                    const int need = INTER * ((r.ucnt[us[q]] + MT - 1) / MT);
+                    while (ld_acquire(ready + us[q]) < need) __nanosleep(100);
+                }
+            }
+        }
 #pragma unroll
         for (int q = 0; q < DE; ++q) {
 #pragma unroll
@@ -341,7 +351,7 @@ __device__ __forceinline__ void down(const float* __restrict__ mid, const int* _
                         for (int j = 0; j < MT; ++j) {
                             if (pr[q][j] >= 0) {
                                 float a[W_VEC];
-                                load_mid(mid + (long)pr[q][j] * INTER, v, a);
+                                load_mid<FUSED>(mid + (long)pr[q][j] * INTER, v, a);
                                 acc[j] = fmaf(wgt[q][j], dot(w, a), acc[j]);
                             }
                         }
@@ -364,16 +374,49 @@ __device__ __forceinline__ void down(const float* __restrict__ mid, const int* _
     }
 }
 
-// One entry point per token tile; the host picks the smallest tile that covers the step.
+// Entry points, one set per token tile; the host picks the smallest tile that covers the step.
+// split: two kernels, down launched as a programmatic dependent of gate_up.
+// fused: one persistent kernel, gate_up phase then down phase; its grid must be co-resident
+// (the host sizes it from the occupancy), since down waits on counters other blocks bump.
+// ready[0..EXPERTS) counts finished gate_up passes per unique expert, ready[EXPERTS] finished
+// blocks; the last block clears them for the next step.
 {%- for mt in token_tiles %}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const float* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
-    gate_up<{{ mt }}>(x, topk_ids, w13, w13_scales, mid, m, err);
+    extern __shared__ int smem[];
+    pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
+    pdl_launch_dependents();  // the down kernel may launch and build its routing now
+    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
+    gate_up_phase<{{ mt }}, false>(r, x, w13, w13_scales, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const float* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
-    down<{{ mt }}, dn_experts({{ mt }})>(mid, topk_ids, topk_weights, w2, w2_scales, y, m);
+    extern __shared__ int smem[];
+    // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
+    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
+    down_phase<{{ mt }}, dn_experts({{ mt }}), false>(r, smem, mid, topk_weights, w2, w2_scales, y, m, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
+    const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+    const uint4* __restrict__ w13, const float* __restrict__ w13_scales, const uint4* __restrict__ w2,
+    const float* __restrict__ w2_scales, float* __restrict__ mid, act_t* __restrict__ y, int m,
+    int* __restrict__ err, int* __restrict__ ready) {
+    extern __shared__ int smem[];
+    pdl_wait();
+    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
+    gate_up_phase<{{ mt }}, true>(r, x, w13, w13_scales, mid, ready);
+    down_phase<{{ mt }}, dn_experts({{ mt }}), true>(r, smem, mid, topk_weights, w2, w2_scales, y, m, ready);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(ready + EXPERTS, 1) == (int)gridDim.x - 1) {
+            for (int u = 0; u <= EXPERTS; ++u) ready[u] = 0;
+            __threadfence();
+        }
+    }
+    // Launched last so a dependent can never take the SM slots this grid still waits for.
+    pdl_launch_dependents();
 }
 {%- endfor %}

@@ -38,7 +38,7 @@ impl DecodeTiles {
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let vpl_i = (spec.intermediate() / vec).div_ceil(32);
         let dn_chunk = vpl_i.min(4);
-        let dn_experts = (12 / dn_chunk).clamp(1, 4).min(spec.top_k());
+        let dn_experts = (6 / dn_chunk).clamp(1, 2).min(spec.top_k());
         DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, dn_experts }
     }
 
@@ -128,7 +128,7 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily) -> u32 {
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
         KernelFamily::WarpDecode => {
-            TOKEN_TILES.iter().flat_map(|mt| [format!("moe_gate_up_t{mt}"), format!("moe_down_t{mt}")]).collect()
+            TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "down", "fused"].map(|k| format!("moe_{k}_t{mt}"))).collect()
         }
     }
 }
@@ -226,7 +226,7 @@ mod tests {
     fn tiles_and_smem() {
         let s = qwen(WeightFormat::Bf16);
         let t = DecodeTiles::for_spec(&s);
-        assert_eq!((t.gu_chunk, t.dn_chunk, t.dn_experts), (4, 3, 4));
+        assert_eq!((t.gu_chunk, t.dn_chunk, t.dn_experts), (4, 3, 2));
         assert_eq!(DecodeTiles::token_tile(1), 1);
         assert_eq!(DecodeTiles::token_tile(3), 4);
         assert_eq!(DecodeTiles::token_tile(64), 8);

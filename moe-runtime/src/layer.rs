@@ -37,6 +37,7 @@ struct TileFns {
     tile: u32,
     gate_up: CudaFunction,
     down: CudaFunction,
+    fused: CudaFunction,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
     down_blocks_per_sm: u32,
@@ -57,7 +58,10 @@ pub struct MoeLayer {
     mid: Mutex<CudaSlice<f32>>,
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
+    /// The fused kernel's per-expert ready counters and finished-block count (cleared by it).
+    ready: CudaSlice<i32>,
     validate_routing: bool,
+    fused: bool,
 }
 
 /// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
@@ -113,6 +117,7 @@ impl MoeLayer {
         for t in TOKEN_TILES {
             let gate_up = module.load_function(&format!("moe_gate_up_t{t}"))?;
             let down = module.load_function(&format!("moe_down_t{t}"))?;
+            let fused = module.load_function(&format!("moe_fused_t{t}"))?;
             let occ = |f: &CudaFunction| -> Result<u32> {
                 Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1)
                     as u32)
@@ -123,6 +128,7 @@ impl MoeLayer {
                 down_blocks_per_sm: occ(&down)?,
                 gate_up,
                 down,
+                fused,
             });
         }
         // Formats without scales still get a one-element buffer so every pointer is valid.
@@ -139,7 +145,9 @@ impl MoeLayer {
             tiles,
             mid: Mutex::new(stream.alloc_zeros::<f32>(spec.top_k() as usize * spec.intermediate() as usize)?),
             errors: stream.alloc_zeros::<i32>(1)?,
+            ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
             validate_routing: cfg!(debug_assertions),
+            fused: true,
             stream,
         };
         layer.stream.synchronize()?;
@@ -158,6 +166,12 @@ impl MoeLayer {
     /// not inside graph capture). On by default in debug builds.
     pub fn set_validate_routing(&mut self, on: bool) {
         self.validate_routing = on;
+    }
+
+    /// One persistent kernel per step (default) or two kernels (gate_up, then down as a
+    /// programmatic dependent). Both compute the same function.
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
     }
 
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
@@ -226,7 +240,7 @@ impl MoeLayer {
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
-        for f in [&fns.gate_up, &fns.down] {
+        for f in [&fns.gate_up, &fns.down, &fns.fused] {
             if smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -238,7 +252,8 @@ impl MoeLayer {
         let (mut xp, mut idp, mut wp) = (ptr(x, s), ptr(topk_ids, s), ptr(topk_weights, s));
         let (mut w13, mut w13s, mut w2, mut w2s) =
             (ptr(&self.w13, s), ptr(&self.w13_scales, s), ptr(&self.w2, s), ptr(&self.w2_scales, s));
-        let (mut midp, mut yp, mut errp) = (ptr(&mid, s), ptr(y, s), ptr(&self.errors, s));
+        let (mut midp, mut yp, mut errp, mut readyp) =
+            (ptr(&mid, s), ptr(y, s), ptr(&self.errors, s), ptr(&self.ready, s));
         let mut m_i32 = m as i32;
         let block = self.warps * 32;
         let pairs = (m * k) as u64;
@@ -246,6 +261,31 @@ impl MoeLayer {
         let dn_items = h as u64 * (m as u64).div_ceil(tile as u64);
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
+        if self.fused {
+            // Its blocks wait on each other, so the grid must be co-resident: size it from the
+            // occupancy at this step's shared memory.
+            let per_sm = fns.fused.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+            if per_sm == 0 {
+                return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
+            }
+            let blocks = grid(gu_items.max(dn_items), per_sm);
+            let mut args = [
+                as_arg(&mut xp),
+                as_arg(&mut idp),
+                as_arg(&mut wp),
+                as_arg(&mut w13),
+                as_arg(&mut w13s),
+                as_arg(&mut w2),
+                as_arg(&mut w2s),
+                as_arg(&mut midp),
+                as_arg(&mut yp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+                as_arg(&mut errp),
+                as_arg(&mut readyp),
+            ];
+            unsafe { launch(&fns.fused, s, blocks, block, smem, true, &mut args)? };
+            return Ok(());
+        }
         unsafe {
             let mut gu = [
                 as_arg(&mut xp),

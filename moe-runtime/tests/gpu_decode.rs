@@ -37,14 +37,23 @@ fn run<T: ActElem>(layer: &MoeLayer, st: &mut Step<T>) -> Vec<f32> {
     layer.stream().clone_dtoh(&st.y).unwrap().into_iter().map(T::to_f32).collect()
 }
 
-fn check_case<T: ActElem>(layer: &MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64) -> (f64, f64) {
+/// Runs the step through the fused kernel and through the split pair; returns the worse of the two.
+fn check_case<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64) -> (f64, f64) {
     let spec = *layer.spec();
     let (x, ids, rw) = random_step(&spec, m, skew, seed);
-    let mut st = upload::<T>(layer, &x, &ids, &rw);
-    let got = run(layer, &mut st);
-    let unwritten = got.iter().filter(|v| !v.is_finite()).count();
-    assert_eq!(unwritten, 0, "{}: m={m}: {unwritten} outputs unwritten or non-finite", spec.id());
-    compare(&got, &moe_forward(&spec, w, &x, &ids, &rw))
+    let want = moe_forward(&spec, w, &x, &ids, &rw);
+    let mut worst = (0f64, 1f64);
+    for fused in [true, false] {
+        layer.set_fused(fused);
+        let mut st = upload::<T>(layer, &x, &ids, &rw);
+        let got = run(layer, &mut st);
+        let unwritten = got.iter().filter(|v| !v.is_finite()).count();
+        assert_eq!(unwritten, 0, "{} fused={fused} m={m}: {unwritten} outputs unwritten or non-finite", spec.id());
+        let (rel, cos) = compare(&got, &want);
+        worst = (worst.0.max(rel), worst.1.min(cos));
+    }
+    layer.set_fused(true);
+    worst
 }
 
 fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
@@ -55,8 +64,8 @@ fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
     for (n, &m) in ms.iter().enumerate() {
         let case_seed = seed.wrapping_add(1 + n as u64);
         let (rel, cos) = match spec.act_dtype() {
-            moe_codegen::ActDtype::Bf16 => check_case::<half::bf16>(&layer, &w, m, 0.3, case_seed),
-            moe_codegen::ActDtype::Fp16 => check_case::<half::f16>(&layer, &w, m, 0.3, case_seed),
+            moe_codegen::ActDtype::Bf16 => check_case::<half::bf16>(&mut layer, &w, m, 0.3, case_seed),
+            moe_codegen::ActDtype::Fp16 => check_case::<half::f16>(&mut layer, &w, m, 0.3, case_seed),
         };
         println!("{:<44} m={m:<3} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed}", spec.id());
         assert!(rel <= 5e-3 && cos >= 0.99999, "{} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {case_seed})", spec.id());
@@ -107,8 +116,8 @@ fn gelu_and_every_token_on_one_expert() {
     layer_cases(&dev, spec, &[1, 5, 64]);
     // skew 1.0 with e / 8 < k: every token draws from the same k experts.
     let w = random_weights(&spec, fresh_seed());
-    let layer = MoeLayer::load(&dev, spec, &w).unwrap();
-    let (rel, cos) = check_case::<half::bf16>(&layer, &w, 40, 1.0, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    let (rel, cos) = check_case::<half::bf16>(&mut layer, &w, 40, 1.0, fresh_seed());
     assert!(rel <= 5e-3 && cos >= 0.99999, "rel {rel} cos {cos}");
 }
 
@@ -120,6 +129,14 @@ fn graph_capture_and_replay() {
     let w = random_weights(&spec, fresh_seed());
     let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
     layer.set_validate_routing(false);
+    for fused in [true, false] {
+        layer.set_fused(fused);
+        capture_and_replay(&layer, &w, fused);
+    }
+}
+
+fn capture_and_replay(layer: &MoeLayer, w: &HostWeights, fused: bool) {
+    let spec = *layer.spec();
     let m = 4;
     layer.reserve(m).unwrap();
     let (x, ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
@@ -129,7 +146,7 @@ fn graph_capture_and_replay() {
     layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
     let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured a graph");
     // Replay on fresh inputs written into the captured buffers.
-    for r in 0..3 {
+    for r in 0..4 {
         let (x, ids, rw) = random_step(&spec, m, 0.0, fresh_seed() + r);
         let xs: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
         s.memcpy_htod(&xs, &mut st.x).unwrap();
@@ -138,8 +155,8 @@ fn graph_capture_and_replay() {
         s.memcpy_htod(&vec![half::bf16::NAN; m * 2048], &mut st.y).unwrap();
         graph.launch().unwrap();
         let got: Vec<f32> = s.clone_dtoh(&st.y).unwrap().into_iter().map(|v| v.to_f32()).collect();
-        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, &ids, &rw));
-        println!("graph replay {r}: rel_l2={rel:.3e} cos={cos:.8}");
+        let (rel, cos) = compare(&got, &moe_forward(&spec, w, &x, &ids, &rw));
+        println!("graph replay {r} fused={fused}: rel_l2={rel:.3e} cos={cos:.8}");
         assert!(rel <= 5e-3 && cos >= 0.99999);
     }
 }
@@ -162,9 +179,12 @@ fn bad_input_is_a_typed_error() {
     );
     // Unchecked, the kernels skip the bad id, count it, and stay in bounds.
     layer.set_validate_routing(false);
-    layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
-    assert_eq!(layer.take_routing_errors().unwrap(), 1);
-    assert_eq!(layer.take_routing_errors().unwrap(), 0);
+    for fused in [true, false] {
+        layer.set_fused(fused);
+        layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
+        assert_eq!(layer.take_routing_errors().unwrap(), 1, "fused={fused}");
+        assert_eq!(layer.take_routing_errors().unwrap(), 0);
+    }
     // Shapes and dtypes.
     let short = layer.stream().clone_htod(&ids[..5]).unwrap();
     assert!(matches!(layer.forward(&st.x, &short, &st.w, &mut st.y), Err(RuntimeError::Shape { what: "topk_ids", .. })));
