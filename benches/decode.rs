@@ -131,31 +131,46 @@ fn qwen(format: WeightFormat) -> MoeSpec {
     MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap()
 }
 
+fn report_rows(
+    dev: &Device,
+    s: &Arc<CudaStream>,
+    format: WeightFormat,
+    fused: bool,
+    copy: f64,
+    date: &str,
+    rows: &mut String,
+) {
+    let spec = qwen(format);
+    let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    let variant = if fused { "fused" } else { "split" };
+    for m in MS {
+        let case = build_case(&layers, &spec, m);
+        let us = time_graph(s, &case.graph, 100) / LAYERS as f64;
+        let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
+        let pct = 100.0 * gbps / copy;
+        println!("{:<10} {variant:<6} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name());
+        rows.push_str(&format!(
+            "{{\"device\":\"{}\",\"family\":\"warp_decode\",\"variant\":\"{variant}\",\"format\":\"{}\",\
+             \"geometry\":\"qwen3-30b-a3b\",\"hidden\":2048,\"intermediate\":768,\"experts\":128,\"top_k\":8,\
+             \"m\":{m},\"median_us\":{us:.3},\"bytes\":{:.0},\"achieved_gbps\":{gbps:.1},\"copy_gbps\":{copy:.1},\
+             \"pct_of_copy\":{pct:.2},\"layers_rotated\":{LAYERS},\"date\":\"{date}\"}}\n",
+            dev.name(),
+            format.name(),
+            case.bytes_per_layer
+        ));
+    }
+}
+
 fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s);
     let date = today();
     println!("device: {}  copy bandwidth: {copy:.0} GB/s  date: {date}", dev.name());
-    println!("{:<10} {:>3} {:>10} {:>10} {:>8}", "format", "m", "median_us", "GB/s", "% copy");
+    println!("{:<10} {:<6} {:>3} {:>10} {:>10} {:>8}", "format", "kernel", "m", "median_us", "GB/s", "% copy");
     let mut rows = String::new();
     for &format in formats {
-        let spec = qwen(format);
-        let layers = layers_for(dev, spec);
-        for m in MS {
-            let case = build_case(&layers, &spec, m);
-            let us = time_graph(&s, &case.graph, 100) / LAYERS as f64;
-            let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
-            let pct = 100.0 * gbps / copy;
-            println!("{:<10} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name());
-            rows.push_str(&format!(
-                "{{\"device\":\"{}\",\"family\":\"warp_decode\",\"format\":\"{}\",\"geometry\":\"qwen3-30b-a3b\",\
-                 \"hidden\":2048,\"intermediate\":768,\"experts\":128,\"top_k\":8,\"m\":{m},\"median_us\":{us:.3},\
-                 \"bytes\":{:.0},\"achieved_gbps\":{gbps:.1},\"copy_gbps\":{copy:.1},\"pct_of_copy\":{pct:.2},\
-                 \"layers_rotated\":{LAYERS},\"date\":\"{date}\"}}\n",
-                dev.name(),
-                format.name(),
-                case.bytes_per_layer
-            ));
+        for fused in [false, true] {
+            report_rows(dev, &s, format, fused, copy, &date, &mut rows);
         }
     }
     if let Some(path) = out {
@@ -174,24 +189,13 @@ fn sweep(dev: &Device) {
     for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
-        let configs = [
-            (d, true),
-            (d, false),
-            (DecodeTiles { warps: 4, ..d }, true),
-            (DecodeTiles { gu_chunk: (d.gu_chunk * 2).min(8), ..d }, true),
-            (DecodeTiles { dn_experts: 1, ..d }, true),
-        ];
+        let configs =
+            [(d, true), (d, false), (DecodeTiles { warps: 4, ..d }, false), (DecodeTiles { warps: 4, ..d }, true)];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
-            let mut line = format!(
-                "{:<9} {kind} w{} gu{} dn{}x{}:",
-                format.name(),
-                t.warps,
-                t.gu_chunk,
-                t.dn_experts,
-                t.dn_chunk
-            );
+            let mut line =
+                format!("{:<9} {kind} w{} gu{} dn{}x{}:", format.name(), t.warps, t.gu_chunk, t.dn_experts, t.dn_chunk);
             for m in [1, 2, 8, 32] {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50) / LAYERS as f64;

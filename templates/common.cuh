@@ -41,6 +41,16 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
+// A plain (weak, L1-cacheable) global load the compiler cannot turn into ld.global.nc.
+__device__ __forceinline__ float4 ld_weak(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.v4.f32 { %0, %1, %2, %3 }, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
 // Eight 16-bit activations packed in a uint4, widened to fp32.
 __device__ __forceinline__ void widen8(const uint4 v, const __nv_bfloat16*, float (&a)[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

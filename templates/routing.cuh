@@ -12,13 +12,15 @@ struct Routing {
     const int* entries;  // [num_pairs] pair indices grouped by expert
 };
 
-// Shared-memory ints the routing needs for a step of num_pairs pairs, plus one int of scratch per
+// Shared-memory ints the routing needs for a step of num_pairs pairs, plus two ints of scratch per
 // unique expert for the caller (mirrored on the host by routing_smem_bytes).
 __host__ __device__ constexpr int routing_smem_ints(int num_pairs, int experts) {
-    return experts + 4 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+    return experts + 5 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
 }
-__device__ __forceinline__ int* routing_scratch(int* smem, int num_pairs, int experts) {
-    return smem + experts + 3 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+// Scratch array `which` (0 or 1), one int per possible unique expert.
+__device__ __forceinline__ int* routing_scratch(int* smem, int num_pairs, int experts, int which) {
+    const int umax = num_pairs < experts ? num_pairs : experts;
+    return smem + experts + (3 + which) * umax + 2 * num_pairs + 1;
 }
 
 __device__ __forceinline__ unsigned lanemask_lt() {

@@ -43,14 +43,15 @@ __device__ __forceinline__ void load_x(const act_t* __restrict__ row, int v, flo
     }
 }
 
-// W_VEC fp32 intermediate activations starting at vector v. COHERENT: written by this grid,
-// so read through L2 (ld.global.cg), never a possibly stale L1 line.
+// W_VEC fp32 intermediate activations starting at vector v. COHERENT: written by this grid, so
+// a plain weak ld.global (never the read-only .nc path); the gpu-scope acquire that precedes it
+// makes the released values visible, and the lines may still be shared in L1 across warps.
 template <bool COHERENT>
 __device__ __forceinline__ void load_mid(const float* __restrict__ row, int v, float (&a)[W_VEC]) {
     const float4* p = reinterpret_cast<const float4*>(row) + v * (W_VEC / 4);
 #pragma unroll
     for (int h = 0; h < W_VEC / 4; ++h) {
-        const float4 f = COHERENT ? __ldcg(p + h) : __ldg(p + h);
+        const float4 f = COHERENT ? ld_weak(p + h) : __ldg(p + h);
         a[4 * h] = f.x;
         a[4 * h + 1] = f.y;
         a[4 * h + 2] = f.z;
@@ -68,11 +69,12 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
 // A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
 // the row) and always has the next unit's weight loads in flight while it does the current math.
-// FUSED: each finished pass bumps ready[u] (release), for the fused kernel's down phase.
+// FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
+// counts once, after its whole phase, so no warp fences per item.
 template <int MT, bool FUSED>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x,
                                               const uint4* __restrict__ w13, const float* __restrict__ w13_scales,
-                                              float* __restrict__ mid, int* __restrict__ ready) {
+                                              float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
     const long items = (long)r.num_unique * INTER;
     const long stride = (long)gridDim.x * WARPS;
@@ -163,7 +165,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                     if (lane == 0) mid[(long)pair[j] * INTER + n] = moe_act(g) * v;
                 }
             }
-            if (FUSED && lane == 0) red_release_add(ready + item / INTER, 1);
+            if (FUSED && lane == 0) atomicAdd(done + item / INTER, 1);
             if (!more) break;
             setup(nitem, nbase);
         }
@@ -192,7 +194,7 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
     const int groups = (m + MT - 1) / MT;
     // Which token groups each expert serves (groups > 32: every expert is tried, and skipped
     // at run time when it serves none of the group).
-    unsigned* gmask = reinterpret_cast<unsigned*>(routing_scratch(smem, m * TOP_K, EXPERTS));
+    unsigned* gmask = reinterpret_cast<unsigned*>(routing_scratch(smem, m * TOP_K, EXPERTS, 0));
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
         unsigned mk = 0;
         for (int c = 0; c < r.ucnt[u]; ++c) {
@@ -248,7 +250,14 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
             for (int q = 0; q < DE; ++q) {
                 if (us[q] >= 0) {
                     const int need = INTER * ((r.ucnt[us[q]] + MT - 1) / MT);
-                    while (ld_acquire(ready + us[q]) < need) __nanosleep(100);
+                    if (lane == 0) {
+                        unsigned ns = 32;
+                        while (ld_acquire(ready + us[q]) < need) {
+                            __nanosleep(ns);
+                            ns = ns < 1024 ? 2 * ns : ns;
+                        }
+                    }
+                    __syncwarp();  // orders the other lanes' reads of mid after lane 0's acquire
                 }
             }
         }
@@ -406,7 +415,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     extern __shared__ int smem[];
     pdl_wait();
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
-    gate_up_phase<{{ mt }}, true>(r, x, w13, w13_scales, mid, ready);
+    int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 1);
+    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
+    __syncthreads();
+    gate_up_phase<{{ mt }}, true>(r, x, w13, w13_scales, mid, done);
+    // Publish this block's finished passes: one fence for the whole phase.
+    __threadfence();
+    __syncthreads();
+    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
+        if (done[u]) red_release_add(ready + u, done[u]);
+    }
     down_phase<{{ mt }}, dn_experts({{ mt }}), true>(r, smem, mid, topk_weights, w2, w2_scales, y, m, ready);
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -137,7 +137,7 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
 pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let pairs = m * spec.top_k();
     let e = spec.experts();
-    4 * (e + 4 * pairs.min(e) + 2 * pairs + 1)
+    4 * (e + 5 * pairs.min(e) + 2 * pairs + 1)
 }
 
 /// Every (family, format) variant for a geometry, as specs (used by `moe-jit check` and tests).
@@ -230,8 +230,8 @@ mod tests {
         assert_eq!(DecodeTiles::token_tile(1), 1);
         assert_eq!(DecodeTiles::token_tile(3), 4);
         assert_eq!(DecodeTiles::token_tile(64), 8);
-        // 128 map + 4*8 + 2*8 + 1 ints at M = 1.
-        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 32 + 16 + 1));
+        // 128 map + 5*8 + 2*8 + 1 ints at M = 1.
+        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 40 + 16 + 1));
         let _ = ActDtype::Bf16;
     }
 }

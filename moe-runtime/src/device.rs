@@ -37,7 +37,8 @@ impl Device {
         // graph capture.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
-        let arch = Arch::from_compute_capability(major, minor).ok_or(RuntimeError::UnsupportedDevice { major, minor })?;
+        let arch =
+            Arch::from_compute_capability(major, minor).ok_or(RuntimeError::UnsupportedDevice { major, minor })?;
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_smem_optin =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;

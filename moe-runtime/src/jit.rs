@@ -75,7 +75,9 @@ pub fn compile(src: &KernelSource, opts: &CompileOptions) -> Result<Compiled> {
             let mut size = 0usize;
             sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
             let mut cubin = vec![0u8; size];
-            sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _).result().map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
+            sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+                .result()
+                .map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
             Ok(Compiled { cubin, log })
         },
     };

@@ -4,7 +4,9 @@ use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
-use moe_codegen::{render, routing_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES};
+use moe_codegen::{
+    render, routing_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
+};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 

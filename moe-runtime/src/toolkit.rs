@@ -20,16 +20,18 @@ pub fn pinned_root() -> PathBuf {
 }
 
 fn candidates() -> Vec<PathBuf> {
-    let mut c: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
+    let mut c: Vec<PathBuf> =
+        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
     c.push(pinned_root());
     c.push(PathBuf::from("/usr/local/cuda"));
     c
 }
 
 fn find_nvrtc(root: &Path) -> Option<PathBuf> {
-    ["lib64", "lib", "lib/x64"].iter().map(|d| root.join(d)).find_map(|d| {
-        ["libnvrtc.so.13", "libnvrtc.so"].iter().map(|n| d.join(n)).find(|p| p.exists())
-    })
+    ["lib64", "lib", "lib/x64"]
+        .iter()
+        .map(|d| root.join(d))
+        .find_map(|d| ["libnvrtc.so.13", "libnvrtc.so"].iter().map(|n| d.join(n)).find(|p| p.exists()))
 }
 
 /// Load libnvrtc by path (and its builtins beside it) so that cudarc's load by name finds this

@@ -1,9 +1,9 @@
 //! Warp decode on a real GPU against the f64 CPU reference. Ignored without a GPU; run with
 //! `cargo test -- --ignored` on a GPU machine. Each test fails (never passes) when no GPU is found.
 
+use moe_codegen::{MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moe_runtime::cudarc::driver::CudaSlice;
-use moe_codegen::{MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use moe_runtime::reference::{compare, moe_forward};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::{ActElem, Device, HostWeights, MoeLayer, RuntimeError};
@@ -68,7 +68,11 @@ fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
             moe_codegen::ActDtype::Fp16 => check_case::<half::f16>(&mut layer, &w, m, 0.3, case_seed),
         };
         println!("{:<44} m={m:<3} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed}", spec.id());
-        assert!(rel <= 5e-3 && cos >= 0.99999, "{} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {case_seed})", spec.id());
+        assert!(
+            rel <= 5e-3 && cos >= 0.99999,
+            "{} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {case_seed})",
+            spec.id()
+        );
     }
 }
 
@@ -111,8 +115,7 @@ fn gpt_oss_20b_matches_reference() {
 #[ignore = "needs an NVIDIA GPU"]
 fn gelu_and_every_token_on_one_expert() {
     let dev = gpu();
-    let spec =
-        MoeSpec::builder(1024, 512, 16, 4).activation(moe_codegen::Activation::GeluTanh).build().unwrap();
+    let spec = MoeSpec::builder(1024, 512, 16, 4).activation(moe_codegen::Activation::GeluTanh).build().unwrap();
     layer_cases(&dev, spec, &[1, 5, 64]);
     // skew 1.0 with e / 8 < k: every token draws from the same k experts.
     let w = random_weights(&spec, fresh_seed());
@@ -187,7 +190,10 @@ fn bad_input_is_a_typed_error() {
     }
     // Shapes and dtypes.
     let short = layer.stream().clone_htod(&ids[..5]).unwrap();
-    assert!(matches!(layer.forward(&st.x, &short, &st.w, &mut st.y), Err(RuntimeError::Shape { what: "topk_ids", .. })));
+    assert!(matches!(
+        layer.forward(&st.x, &short, &st.w, &mut st.y),
+        Err(RuntimeError::Shape { what: "topk_ids", .. })
+    ));
     let xh: CudaSlice<half::f16> = layer.stream().alloc_zeros(3 * 512).unwrap();
     let mut yh: CudaSlice<half::f16> = layer.stream().alloc_zeros(3 * 512).unwrap();
     assert!(matches!(
