@@ -1,4 +1,13 @@
 // moeforge common device helpers: loads, reductions, programmatic dependent launch.
+// The format seam every kernel family uses (one include per format):
+//   W_VEC           elements in one 16-byte vector of packed weights
+//   W_GROUPS        scale groups per vector; W_GROUP_SCALED whether they carry scales
+//   WScale          the registers holding one vector's group scales, loaded with the weights
+//   load_wscale(scales, row, vec) -> WScale
+//   group_scale(ws, g) -> float
+//   dequant_vec(v, ws, w[W_VEC])  codes -> values (zero points applied, group scales not)
+//   row_scale(scales, row) -> float, applied once to a row's reduced dot product
+//
 // Templates note: never write an opening brace directly followed by a percent sign (askama syntax).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,7 +1,12 @@
 // FP8 e4m3 weights: 16 per 16-byte vector, one fp32 scale per output row, applied once
 // to the row's dot product rather than to every element.
 constexpr int W_VEC = 16;
-__device__ __forceinline__ void dequant_vec(const uint4 v, float (&w)[W_VEC]) {
+constexpr int W_GROUPS = 1;
+constexpr bool W_GROUP_SCALED = false;
+struct WScale {};
+__device__ __forceinline__ WScale load_wscale(const void*, long, int) { return WScale{}; }
+__device__ __forceinline__ float group_scale(const WScale&, int) { return 1.0f; }
+__device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float (&w)[W_VEC]) {
     const unsigned int words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -16,4 +21,6 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, float (&w)[W_VEC]) {
         }
     }
 }
-__device__ __forceinline__ float row_scale(const float* scales, long row) { return __ldg(scales + row); }
+__device__ __forceinline__ float row_scale(const void* scales, long row) {
+    return __ldg(reinterpret_cast<const float*>(scales) + row);
+}

@@ -59,11 +59,23 @@ __device__ __forceinline__ void load_mid(const float* __restrict__ row, int v, f
     }
 }
 
-__device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W_VEC]) {
-    float s = 0.0f;
+// dot(w, a) with the format's per-group scales applied to the partial dots of their groups
+// (W_GROUPS per vector), not to every element.
+__device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W_VEC], const WScale& ws) {
+    constexpr int G = W_VEC / W_GROUPS;
+    float t = 0.0f;
 #pragma unroll
-    for (int i = 0; i < W_VEC; ++i) s = fmaf(w[i], a[i], s);
-    return s;
+    for (int g = 0; g < W_GROUPS; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int i = g * G; i < (g + 1) * G; ++i) d = fmaf(w[i], a[i], d);
+        if constexpr (W_GROUP_SCALED) {
+            t = fmaf(group_scale(ws, g), d, t);
+        } else {
+            t += d;
+        }
+    }
+    return t;
 }
 
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
@@ -73,7 +85,7 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 // counts once, after its whole phase, so no warp fences per item.
 template <int MT, bool FUSED>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x,
-                                              const uint4* __restrict__ w13, const float* __restrict__ w13_scales,
+                                              const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
                                               float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
     const long items = (long)r.num_unique * INTER;
@@ -84,10 +96,12 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
     int base = 0, c0 = 0;
     uint4 gv[GU_CHUNK], uv[GU_CHUNK];
+    WScale gsc[GU_CHUNK], usc[GU_CHUNK];  // group scales travel with their weights
     auto rows = [&](long it, long& grow) {
         grow = (long)r.uexp[it / INTER] * 2 * INTER + it % INTER;
     };
-    auto load = [&](long it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK]) {
+    auto load = [&](long it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK], WScale (&gs)[GU_CHUNK],
+                    WScale (&us)[GU_CHUNK]) {
         long grow;
         rows(it, grow);
         const uint4* gp = w13 + grow * NV_H;
@@ -98,6 +112,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             if (c + i < VPL_H && v < NV_H) {
                 g[i] = ldg_stream(gp + v);
                 u[i] = ldg_stream(up + v);
+                gs[i] = load_wscale(w13_scales, grow, v);
+                us[i] = load_wscale(w13_scales, grow + INTER, v);
             }
         }
     };
@@ -117,7 +133,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             au[j] = 0.0f;
         }
     };
-    load(item, 0, gv, uv);
+    load(item, 0, gv, uv, gsc, usc);
     setup(item, 0);
     while (true) {
         long nitem = item;
@@ -132,21 +148,22 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         }
         const bool more = nitem < items;
         uint4 gn[GU_CHUNK], un[GU_CHUNK];
-        if (more) load(nitem, nc0, gn, un);  // in flight during this unit's math
+        WScale gsn[GU_CHUNK], usn[GU_CHUNK];
+        if (more) load(nitem, nc0, gn, un, gsn, usn);  // in flight during this unit's math
 #pragma unroll
         for (int i = 0; i < GU_CHUNK; ++i) {
             const int v = (c0 + i) * 32 + lane;
             if (c0 + i < VPL_H && v < NV_H) {
                 float g[W_VEC], w[W_VEC];
-                dequant_vec(gv[i], g);
-                dequant_vec(uv[i], w);
+                dequant_vec(gv[i], gsc[i], g);
+                dequant_vec(uv[i], usc[i], w);
 #pragma unroll
                 for (int j = 0; j < MT; ++j) {
                     if (j < nt) {
                         float a[W_VEC];
                         load_x(xr[j], v, a);
-                        ag[j] += dot(g, a);
-                        au[j] += dot(w, a);
+                        ag[j] += dot(g, a, gsc[i]);
+                        au[j] += dot(w, a, usc[i]);
                     }
                 }
             }
@@ -176,6 +193,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         for (int i = 0; i < GU_CHUNK; ++i) {
             gv[i] = gn[i];
             uv[i] = un[i];
+            gsc[i] = gsn[i];
+            usc[i] = usn[i];
         }
     }
 }
@@ -189,7 +208,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 template <int MT, int DE, bool FUSED>
 __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const float* __restrict__ mid,
                                            const float* __restrict__ topk_weights, const uint4* __restrict__ w2,
-                                           const float* __restrict__ w2_scales, act_t* __restrict__ y, int m,
+                                           const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
                                            const int* __restrict__ ready) {
     const int groups = (m + MT - 1) / MT;
     // Which token groups each expert serves (groups > 32: every expert is tried, and skipped
@@ -220,16 +239,20 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
             ++u;
         }
     };
-    auto load = [&](long it, const int (&us)[DE], int c, uint4 (&wv)[DE][DN_CHUNK]) {
+    auto load = [&](long it, const int (&us)[DE], int c, uint4 (&wv)[DE][DN_CHUNK], WScale (&ws)[DE][DN_CHUNK]) {
         const int h = (int)(it / groups);
 #pragma unroll
         for (int q = 0; q < DE; ++q) {
             if (us[q] >= 0) {
-                const uint4* row = w2 + ((long)r.uexp[us[q]] * HIDDEN + h) * NV_I;
+                const long rw = (long)r.uexp[us[q]] * HIDDEN + h;
+                const uint4* row = w2 + rw * NV_I;
 #pragma unroll
                 for (int i = 0; i < DN_CHUNK; ++i) {
                     const int v = (c + i) * 32 + lane;
-                    if (c + i < VPL_I && v < NV_I) wv[q][i] = ldg_stream(row + v);
+                    if (c + i < VPL_I && v < NV_I) {
+                        wv[q][i] = ldg_stream(row + v);
+                        ws[q][i] = load_wscale(w2_scales, rw, v);
+                    }
                 }
             }
         }
@@ -320,7 +343,8 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
     }
     if (item >= items) return;
     uint4 wv[DE][DN_CHUNK];
-    load(item, us, 0, wv);
+    WScale wsc[DE][DN_CHUNK];
+    load(item, us, 0, wv, wsc);
     setup(item);
     while (true) {
         long nitem = item;
@@ -346,7 +370,8 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
         }
         const bool more = nitem < items;
         uint4 wn[DE][DN_CHUNK];
-        if (more) load(nitem, nus, nc0, wn);  // in flight during this unit's math
+        WScale wsn[DE][DN_CHUNK];
+        if (more) load(nitem, nus, nc0, wn, wsn);  // in flight during this unit's math
 #pragma unroll
         for (int q = 0; q < DE; ++q) {
             if (us[q] >= 0) {
@@ -355,13 +380,13 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
                     const int v = (c0 + i) * 32 + lane;
                     if (c0 + i < VPL_I && v < NV_I) {
                         float w[W_VEC];
-                        dequant_vec(wv[q][i], w);
+                        dequant_vec(wv[q][i], wsc[q][i], w);
 #pragma unroll
                         for (int j = 0; j < MT; ++j) {
                             if (pr[q][j] >= 0) {
                                 float a[W_VEC];
                                 load_mid<FUSED>(mid + (long)pr[q][j] * INTER, v, a);
-                                acc[j] = fmaf(wgt[q][j], dot(w, a), acc[j]);
+                                acc[j] = fmaf(wgt[q][j], dot(w, a, wsc[q][i]), acc[j]);
                             }
                         }
                     }
@@ -378,7 +403,10 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
 #pragma unroll
         for (int q = 0; q < DE; ++q) {
 #pragma unroll
-            for (int i = 0; i < DN_CHUNK; ++i) wv[q][i] = wn[q][i];
+            for (int i = 0; i < DN_CHUNK; ++i) {
+                wv[q][i] = wn[q][i];
+                wsc[q][i] = wsn[q][i];
+            }
         }
     }
 }
@@ -392,7 +420,7 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
 {%- for mt in token_tiles %}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const float* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
+    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and build its routing now
@@ -401,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w2, const float* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
     extern __shared__ int smem[];
     // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
@@ -409,8 +437,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w13, const float* __restrict__ w13_scales, const uint4* __restrict__ w2,
-    const float* __restrict__ w2_scales, float* __restrict__ mid, act_t* __restrict__ y, int m,
+    const uint4* __restrict__ w13, const void* __restrict__ w13_scales, const uint4* __restrict__ w2,
+    const void* __restrict__ w2_scales, float* __restrict__ mid, act_t* __restrict__ y, int m,
     int* __restrict__ err, int* __restrict__ ready) {
     extern __shared__ int smem[];
     pdl_wait();

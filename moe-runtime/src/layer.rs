@@ -149,7 +149,8 @@ impl MoeLayer {
             errors: stream.alloc_zeros::<i32>(1)?,
             ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
             validate_routing: cfg!(debug_assertions),
-            fused: true,
+            // Measured on the H100 (benches/results/h100-decode.json): the split pair is faster.
+            fused: false,
             stream,
         };
         layer.stream.synchronize()?;
@@ -170,8 +171,9 @@ impl MoeLayer {
         self.validate_routing = on;
     }
 
-    /// One persistent kernel per step (default) or two kernels (gate_up, then down as a
-    /// programmatic dependent). Both compute the same function.
+    /// Two kernels per step (default: gate_up, then down as a programmatic dependent) or one
+    /// persistent kernel whose down phase waits on per-expert counters. Both compute the same
+    /// function; on the H100 the split pair measured faster (see benches/results).
     pub fn set_fused(&mut self, on: bool) {
         self.fused = on;
     }
