@@ -5,9 +5,10 @@
 //! Each timed unit is a CUDA-graph replay of forward over LAYERS copies of the weights, so no
 //! expert row is served from L2; the device-to-device copy bandwidth is measured in the same run.
 
-use moe_runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moe_runtime::cudarc::driver::sys::CUevent_flags;
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::timing::{capture, copy_gbps, time_graph};
 use moe_runtime::{Device, MoeLayer};
 use moeforge::codegen::{render_warp_decode, DecodeTiles, MoeSpec, WeightFormat};
 use std::sync::Arc;
@@ -46,51 +47,18 @@ fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
     for l in layers {
         l.reserve(m).unwrap();
     }
-    s.synchronize().unwrap();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    for (l, st) in layers.iter().zip(steps.iter_mut()) {
-        l.forward(&st.0, &st.1, &st.2, &mut st.3).unwrap();
-    }
-    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("graph");
+    let graph = capture(&s, || {
+        for (l, st) in layers.iter().zip(steps.iter_mut()) {
+            l.forward(&st.0, &st.1, &st.2, &mut st.3)?;
+        }
+        Ok(())
+    })
+    .unwrap();
     keep.extend(steps);
     Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: keep }
 }
 
-/// Median microseconds of one replay, timed with events around each replay.
-fn time_graph(s: &Arc<CudaStream>, g: &CudaGraph, reps: usize) -> f64 {
-    for _ in 0..5 {
-        g.launch().unwrap();
-    }
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        g.launch().unwrap();
-        let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        b.synchronize().unwrap();
-        t.push(a.elapsed_ms(&b).unwrap() as f64 * 1e3);
-    }
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[reps / 2]
-}
 
-/// Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
-fn copy_gbps(s: &Arc<CudaStream>) -> f64 {
-    let n = 1usize << 30;
-    let src = s.alloc_zeros::<u8>(n).unwrap();
-    let mut dst = s.alloc_zeros::<u8>(n).unwrap();
-    let mut t = Vec::new();
-    for i in 0..25 {
-        let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        s.memcpy_dtod(&src, &mut dst).unwrap();
-        let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        b.synchronize().unwrap();
-        if i >= 5 {
-            t.push(a.elapsed_ms(&b).unwrap() as f64 * 1e-3);
-        }
-    }
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    2.0 * n as f64 / t[t.len() / 2] / 1e9
-}
 
 fn today() -> String {
     let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86400;
@@ -145,7 +113,7 @@ fn report_rows(
     let variant = if fused { "fused" } else { "split" };
     for m in MS {
         let case = build_case(&layers, &spec, m);
-        let us = time_graph(s, &case.graph, 100) / LAYERS as f64;
+        let us = time_graph(s, &case.graph, 100).unwrap() / LAYERS as f64;
         let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
         let pct = 100.0 * gbps / copy;
         println!("{:<10} {variant:<6} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name());
@@ -163,7 +131,7 @@ fn report_rows(
 
 fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
     let s = dev.stream().clone();
-    let copy = copy_gbps(&s);
+    let copy = copy_gbps(&s).unwrap();
     let date = today();
     println!("device: {}  copy bandwidth: {copy:.0} GB/s  date: {date}", dev.name());
     println!("{:<10} {:<6} {:>3} {:>10} {:>10} {:>8}", "format", "kernel", "m", "median_us", "GB/s", "% copy");
@@ -184,7 +152,7 @@ fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
 /// Compare tile configurations at a few step sizes (tuning aid; prints only).
 fn sweep(dev: &Device) {
     let s = dev.stream().clone();
-    let copy = copy_gbps(&s);
+    let copy = copy_gbps(&s).unwrap();
     println!("sweep: copy bandwidth {copy:.0} GB/s");
     for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
         let spec = qwen(format);
@@ -198,7 +166,7 @@ fn sweep(dev: &Device) {
                 format!("{:<9} {kind} w{} gu{} dn{}x{}:", format.name(), t.warps, t.gu_chunk, t.dn_experts, t.dn_chunk);
             for m in [1, 2, 8, 32] {
                 let case = build_case(&layers, &spec, m);
-                let us = time_graph(&s, &case.graph, 50) / LAYERS as f64;
+                let us = time_graph(&s, &case.graph, 50).unwrap() / LAYERS as f64;
                 let pct = 100.0 * case.bytes_per_layer / (us * 1e-6) / 1e9 / copy;
                 line += &format!("  m{m} {us:7.2}us {pct:5.1}%");
             }

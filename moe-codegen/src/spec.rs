@@ -348,3 +348,85 @@ pub const REFERENCE_GEOMETRIES: [(&str, u32, u32, u32, u32); 4] = [
     ("olmoe", 2048, 1024, 64, 8),
     ("gpt-oss-20b", 2880, 2880, 32, 4),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(h: u32, i: u32, e: u32, k: u32) -> MoeSpecBuilder {
+        MoeSpec::builder(h, i, e, k)
+    }
+
+    #[test]
+    fn reference_geometries_are_valid_in_every_format() {
+        for (_, h, i, e, k) in REFERENCE_GEOMETRIES {
+            for f in WeightFormat::ALL {
+                let s = b(h, i, e, k).weight_format(f).build().unwrap();
+                assert_eq!((s.hidden(), s.intermediate(), s.experts(), s.top_k()), (h, i, e, k));
+                assert_eq!(s.act_dtype(), f.default_act_dtype());
+            }
+        }
+    }
+
+    #[test]
+    fn zero_sizes_are_refused_by_name() {
+        assert_eq!(b(0, 8, 8, 2).build(), Err(SpecError::Zero { field: "hidden" }));
+        assert_eq!(b(8, 0, 8, 2).build(), Err(SpecError::Zero { field: "intermediate" }));
+        assert_eq!(b(8, 8, 0, 2).build(), Err(SpecError::Zero { field: "experts" }));
+        assert_eq!(b(8, 8, 8, 0).build(), Err(SpecError::Zero { field: "top_k" }));
+    }
+
+    #[test]
+    fn top_k_and_limits() {
+        assert_eq!(b(8, 8, 4, 5).build(), Err(SpecError::TopKExceedsExperts { top_k: 5, experts: 4 }));
+        assert_eq!(
+            b(8, 8, 2048, 2).build(),
+            Err(SpecError::TooLarge { field: "experts", value: 2048, max: MAX_EXPERTS })
+        );
+        assert_eq!(b(8, 8, 64, 33).build(), Err(SpecError::TooLarge { field: "top_k", value: 33, max: MAX_TOP_K }));
+    }
+
+    #[test]
+    fn vector_width_must_divide_both_reduction_axes() {
+        // bf16 vectors hold 8, fp8 vectors 16.
+        assert!(b(2056, 768, 8, 2).build().is_ok());
+        let e = b(2056, 768, 8, 2).weight_format(WeightFormat::Fp8E4m3).build().unwrap_err();
+        assert!(matches!(e, SpecError::NotDivisible { field: "hidden", value: 2056, divisor: 16, .. }), "{e}");
+        let e = b(2048, 772, 8, 2).build().unwrap_err();
+        assert!(matches!(e, SpecError::NotDivisible { field: "intermediate", value: 772, divisor: 8, .. }));
+        assert!(e.to_string().contains("16-byte vector"), "{e}");
+    }
+
+    #[test]
+    fn act_dtype_must_match_fp16_weights() {
+        let e = b(64, 64, 4, 2).weight_format(WeightFormat::Fp16).act_dtype(ActDtype::Bf16).build().unwrap_err();
+        assert!(matches!(e, SpecError::ActDtypeMismatch { .. }));
+        assert!(b(64, 64, 4, 2).weight_format(WeightFormat::Bf16).act_dtype(ActDtype::Fp16).build().is_ok());
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_choices() {
+        for a in Arch::ALL {
+            assert_eq!(a.name().parse::<Arch>().unwrap(), a);
+        }
+        for f in WeightFormat::ALL {
+            assert_eq!(f.to_string().parse::<WeightFormat>().unwrap(), f);
+        }
+        let e = "sm_80".parse::<Arch>().unwrap_err();
+        assert!(e.to_string().contains("sm_90a, sm_100a, sm_120a"), "{e}");
+        assert!("relu".parse::<Activation>().is_err());
+        assert_eq!(Arch::from_compute_capability(9, 0), Some(Arch::Sm90a));
+        assert_eq!(Arch::from_compute_capability(12, 0), Some(Arch::Sm120a));
+        assert_eq!(Arch::from_compute_capability(8, 0), None);
+    }
+
+    #[test]
+    fn sizes_and_id() {
+        let s = b(2048, 768, 128, 8).build().unwrap();
+        assert_eq!(s.w13_elems(), 128 * 2 * 768 * 2048);
+        assert_eq!(s.expert_bytes(), 3 * 768 * 2048 * 2);
+        let f = b(2048, 768, 128, 8).weight_format(WeightFormat::Fp8E4m3).build().unwrap();
+        assert_eq!(f.expert_bytes(), 3 * 768 * 2048 + 4 * (2 * 768 + 2048));
+        assert_eq!(s.id(), "h2048_i768_e128_k8_bf16_bf16_silu");
+    }
+}

@@ -13,6 +13,7 @@ pub mod jit;
 pub mod layer;
 pub mod reference;
 pub mod testing;
+pub mod timing;
 pub mod toolkit;
 pub mod weights;
 

@@ -1,0 +1,46 @@
+//! Every supported (family, format) variant of every reference geometry compiles with NVRTC
+//! for sm_90a, sm_100a and sm_120a: no GPU needed.
+
+use moe_codegen::{render, variants, Arch, REFERENCE_GEOMETRIES};
+use moe_runtime::jit::resource_report;
+use moe_runtime::toolkit::toolkit;
+use moe_runtime::{compile, CompileOptions};
+
+#[test]
+fn every_variant_compiles_for_every_arch() {
+    let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
+    let jobs: Vec<_> = REFERENCE_GEOMETRIES
+        .iter()
+        .flat_map(|&(_, h, i, e, k)| variants(h, i, e, k))
+        .flat_map(|(spec, fam)| Arch::ALL.map(|a| (spec, fam, a)))
+        .collect();
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let chunks: Vec<_> = jobs.chunks(jobs.len().div_ceil(threads)).collect();
+        let hs: Vec<_> = chunks
+            .into_iter()
+            .map(|chunk| {
+                s.spawn(move || {
+                    let mut bad = Vec::new();
+                    for &(spec, fam, arch) in chunk {
+                        let src = render(&spec, fam, arch).unwrap();
+                        match compile(&src, &CompileOptions::for_arch(tk, arch)) {
+                            Ok(c) => {
+                                assert!(c.cubin.starts_with(b"\x7fELF"));
+                                let report = resource_report(&c.log);
+                                assert_eq!(report.len(), src.entry_points.len(), "{}: {}", src.name, c.log);
+                                for (f, _, spill, _) in report {
+                                    assert_eq!(spill, 0, "{} {arch}: {f} spills", src.name);
+                                }
+                            }
+                            Err(e) => bad.push(format!("{} {arch}: {e}", src.name)),
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert!(failures.is_empty(), "{} of {} failed:\n{}", failures.len(), jobs.len(), failures.join("\n"));
+}
