@@ -17,11 +17,14 @@ const MS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// Weight copies cycled through: at M = 1 each step touches ~75 MB (bf16), 4 copies >= 4x L2.
 const LAYERS: usize = 4;
 
+/// One step's device buffers: x, topk ids, topk weights, y.
+type StepBuffers = (CudaSlice<half::bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<half::bf16>);
+
 struct Case {
     graph: CudaGraph,
     /// Bytes one layer step must move: touched experts' weights and scales, x, y, routing.
     bytes_per_layer: f64,
-    _keep: Vec<(CudaSlice<half::bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<half::bf16>)>,
+    _keep: Vec<StepBuffers>,
 }
 
 fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
@@ -57,8 +60,6 @@ fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
     keep.extend(steps);
     Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: keep }
 }
-
-
 
 fn today() -> String {
     let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86400;

@@ -67,6 +67,6 @@ pub use moe_dsl::moe_kernel;
 pub use moe_runtime as runtime;
 
 pub use moe_codegen::{
-    render, ActDtype, Activation, Arch, CodegenError, KernelFamily, KernelSource, MoeSpec, MoeSpecBuilder, SpecError,
-    WeightFormat,
+    render, ActDtype, Activation, Arch, CodegenError, DequantVariant, KernelFamily, KernelSource, MoeSpec,
+    MoeSpecBuilder, SpecError, WeightFormat,
 };

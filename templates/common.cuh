@@ -1,12 +1,17 @@
 // moeforge common device helpers: loads, reductions, programmatic dependent launch.
-// The format seam every kernel family uses (one include per format):
+// The format seam every kernel family uses (dequant.cuh picks one scale include and one codec
+// include per format and dequant variant):
 //   W_VEC           elements in one 16-byte vector of packed weights
 //   W_GROUPS        scale groups per vector; W_GROUP_SCALED whether they carry scales
-//   WScale          the registers holding one vector's group scales, loaded with the weights
-//   load_wscale(scales, row, vec) -> WScale
+//   WScale          the registers holding one vector's group scales (and zero points), loaded
+//                   with the weights so that the load is in flight with them
+//   load_wscale<M>(scales, row, vec) -> WScale
 //   group_scale(ws, g) -> float
+//   dequant_setup()  once per block before any dequant_vec (fills the lut table; a barrier)
 //   dequant_vec(v, ws, w[W_VEC])  codes -> values (zero points applied, group scales not)
-//   row_scale(scales, row) -> float, applied once to a row's reduced dot product
+//   row_scale<M>(scales, row) -> float, applied once to a row's reduced dot product
+// M = WMat<K, N, E> describes the matrix: row length K, rows per expert N, experts E; `row` counts
+// rows across experts (expert e's row n is e * N + n), `vec` 16-byte vectors along the row.
 //
 // Templates note: never write an opening brace directly followed by a percent sign (askama syntax).
 #include <cuda_bf16.h>
@@ -14,6 +19,18 @@
 #include <cuda_fp8.h>
 
 #define MOE_FULL_MASK 0xffffffffu
+
+template <int K_, int N_, int E_>
+struct WMat {
+    static constexpr int K = K_;  // row length (the reduction axis)
+    static constexpr int N = N_;  // rows per expert
+    static constexpr int E = E_;  // experts
+};
+
+// Two fp16 in a 32-bit word, widened to fp32; the bits of a __half2 and back.
+__device__ __forceinline__ __half2 u32_as_h2(unsigned u) { return *reinterpret_cast<const __half2*>(&u); }
+__device__ __forceinline__ unsigned h2_as_u32(__half2 h) { return *reinterpret_cast<const unsigned*>(&h); }
+__device__ __forceinline__ float2 h2_to_f2(unsigned u) { return __half22float2(u32_as_h2(u)); }
 
 // Weights are streamed exactly once per step: skip L1 so the small activation vectors,
 // which every warp of the SM re-reads, keep it.

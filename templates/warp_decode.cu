@@ -4,14 +4,7 @@
 // group of tokens and folds every routed expert, weighted, into one fp32 accumulator.
 {% include "common.cuh" %}
 {% include "activation.cuh" %}
-{%- match format %}
-{%- when WeightFormat::Bf16 %}
-{% include "dequant_bf16.cuh" %}
-{%- when WeightFormat::Fp16 %}
-{% include "dequant_fp16.cuh" %}
-{%- when WeightFormat::Fp8E4m3 %}
-{% include "dequant_fp8_e4m3.cuh" %}
-{%- endmatch %}
+{% include "dequant.cuh" %}
 {% include "routing.cuh" %}
 
 typedef {{ act_type }} act_t;
@@ -25,6 +18,9 @@ constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per expert row (down)
 constexpr int DN_EXPERTS = {{ dn_experts }};  // expert rows per unit (down), at one token per tile
 // Fewer experts per unit for larger token tiles: the per-(expert, token) weights live in registers.
 __host__ __device__ constexpr int dn_experts(int mt) { return DN_EXPERTS < 16 / mt ? DN_EXPERTS : (16 / mt > 0 ? 16 / mt : 1); }
+
+using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
+using W2 = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 
 constexpr int NV_H = HIDDEN / W_VEC;      // 16-byte vectors per w13 row
 constexpr int NV_I = INTER / W_VEC;       // 16-byte vectors per w2 row
@@ -112,8 +108,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             if (c + i < VPL_H && v < NV_H) {
                 g[i] = ldg_stream(gp + v);
                 u[i] = ldg_stream(up + v);
-                gs[i] = load_wscale(w13_scales, grow, v);
-                us[i] = load_wscale(w13_scales, grow + INTER, v);
+                gs[i] = load_wscale<W13>(w13_scales, grow, v);
+                us[i] = load_wscale<W13>(w13_scales, grow + INTER, v);
             }
         }
     };
@@ -171,8 +167,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         if (nc0 == 0) {  // the pass is complete: reduce, activate, store
             long grow;
             rows(item, grow);
-            const float gs = row_scale(w13_scales, grow);
-            const float us = row_scale(w13_scales, grow + INTER);
+            const float gs = row_scale<W13>(w13_scales, grow);
+            const float us = row_scale<W13>(w13_scales, grow + INTER);
             const int n = (int)(item % INTER);
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
@@ -251,7 +247,7 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
                     const int v = (c + i) * 32 + lane;
                     if (c + i < VPL_I && v < NV_I) {
                         wv[q][i] = ldg_stream(row + v);
-                        ws[q][i] = load_wscale(w2_scales, rw, v);
+                        ws[q][i] = load_wscale<W2>(w2_scales, rw, v);
                     }
                 }
             }
@@ -309,7 +305,7 @@ __device__ __forceinline__ void down_phase(const Routing& r, int* smem, const fl
                         }
                     }
                 }
-                const float s = row_scale(w2_scales, (long)r.uexp[us[q]] * HIDDEN + h);
+                const float s = row_scale<W2>(w2_scales, (long)r.uexp[us[q]] * HIDDEN + h);
 #pragma unroll
                 for (int j = 0; j < MT; ++j) wgt[q][j] *= s;
             }
@@ -422,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
+    dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and build its routing now
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
@@ -431,6 +428,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
     extern __shared__ int smem[];
+    dequant_setup();
     // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
     down_phase<{{ mt }}, dn_experts({{ mt }}), false>(r, smem, mid, topk_weights, w2, w2_scales, y, m, nullptr);
@@ -441,6 +439,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const void* __restrict__ w2_scales, float* __restrict__ mid, act_t* __restrict__ y, int m,
     int* __restrict__ err, int* __restrict__ ready) {
     extern __shared__ int smem[];
+    dequant_setup();
     pdl_wait();
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 1);

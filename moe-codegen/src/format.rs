@@ -1,12 +1,50 @@
-//! Weight formats: how a `[rows, cols]` matrix (rows = output channels, cols = the reduction axis K)
-//! is stored, quantized and dequantized. The CUDA side of each format is one include,
-//! `templates/dequant_<format>.cuh`; kernel families never special-case a format beyond that.
+//! Weight formats: how a `[rows, cols]` matrix (rows = output channels N, cols = the reduction
+//! axis K) is stored, quantized and dequantized. The CUDA side of a format is one element codec
+//! include (`templates/dequant_<codec>.cuh`, one section per [`DequantVariant`]) plus one scale
+//! include (`templates/scales_<layout>.cuh`), picked by `templates/dequant.cuh`; kernel families
+//! never special-case a format beyond that.
+//!
+//! # Packed layouts
+//!
+//! A weight tensor is a stack of `T` matrices (the experts) of `N` rows and `K` columns, `R = T * N`
+//! rows in all, row-major. Every format packs along K: one row's codes are contiguous.
+//!
+//! | format | codes (per element) | scales (bytes, little-endian) | value |
+//! |---|---|---|---|
+//! | `bf16`, `fp16` | 2 bytes | none | the 16-bit float |
+//! | `fp8_e4m3` | e4m3fn byte | `[R]` f32, one per row | `e4m3 * s[r]` |
+//! | `fp8_e4m3_b128` | e4m3fn byte | `[R/128, K/128]` f32, one per 128x128 block (DeepSeek-V3) | `e4m3 * s[r/128][c/128]` |
+//! | `mxfp8` | e4m3fn byte | `[R, K/32]` E8M0 bytes | `e4m3 * 2^(e-127)` |
+//! | `int8` | i8 (two's complement) | `[R]` f32 | `q * s[r]` |
+//! | `int8_g{32,64,128}` | i8 | `[R, K/G]` f16 | `q * s[r][c/G]` |
+//! | `int4` | nibble `u = q + 8` | `[R]` f32 | `(u - 8) * s[r]` |
+//! | `int4_g{32,64,128}` | nibble `u = q + 8` | `[R, K/G]` f16 | `(u - 8) * s[r][c/G]` |
+//! | `int4_asym`, `int4_asym_g{32,64,128}` | nibble `u` | `[R, K/G]` u32 records (`G = K` for `int4_asym`): bits 0-15 the f16 scale, bits 16-23 the zero point `z` (0..=15) | `(u - z) * s` |
+//! | `nvfp4` | e2m1 nibble | `[T]` f32 global scales, then `[R, K/16]` e4m3 bytes | `e2m1 * e4m3 * g[r/N]` |
+//! | `mxfp4` | e2m1 nibble | `[R, K/32]` E8M0 bytes | `e2m1 * 2^(e-127)` |
+//!
+//! 4-bit codes: element `2j` of a row in the low nibble of byte `j`, element `2j + 1` in the high
+//! nibble (the order gpt-oss's MXFP4 and GPTQ's int32 words use). No interleaving is needed: the
+//! kernels produce f32 values straight into registers, so any pairing of nibbles is free.
+//!
+//! Group scales of the integer formats are f16: half the bytes of f32, and the quantizers round
+//! the scale to f16 *before* rounding the codes, so no accuracy is lost to it beyond f16's range
+//! (a group whose scale would exceed 65504 is refused with [`QuantError::OutOfRange`]). Per-row
+//! scales stay f32 (they cost nothing next to a row). E8M0 code 0xff (NaN) and the e4m3 NaN codes
+//! are never produced; what the kernels make of them is unspecified.
+//!
+//! Dequantization is defined, bit for bit, as `((code - zero) * group_scale) * row_scale` in f32,
+//! in that order, where `group_scale` is the per-group (or per-block) scale, 1 when the format has
+//! none, and `row_scale` the per-row f32 scale or NVFP4's per-tensor global, 1 when none.
 
+use crate::numerics::{e2m1_from_f32, e2m1_to_f32, e8m0_for_amax, e8m0_to_f32, rne, E2M1_EMAX, E2M1_MAX, E4M3_EMAX};
+pub use crate::numerics::{e4m3_from_f32, e4m3_to_f32, E4M3_MAX};
 use crate::spec::{ActDtype, SpecError};
+use half::f16;
 use std::fmt;
 use std::str::FromStr;
 
-/// How expert weights are stored on the device.
+/// How expert weights are stored on the device. See the module docs for each layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum WeightFormat {
@@ -17,6 +55,113 @@ pub enum WeightFormat {
     /// FP8 e4m3 (`e4m3fn`: max 448, no infinities) with one fp32 scale per output channel (row):
     /// `w[r][c] = scale[r] * fp8[r][c]`. Scales are a separate `[experts, rows]` f32 tensor.
     Fp8E4m3,
+    /// FP8 e4m3 with one f32 scale per 128x128 block (DeepSeek-V3's `weight_scale_inv`).
+    Fp8E4m3B128,
+    /// OCP MXFP8: e4m3 with one E8M0 scale per 32 elements along K.
+    Mxfp8,
+    /// INT8 weight-only, symmetric, one f32 scale per output channel.
+    Int8,
+    /// INT8 symmetric, one f16 scale per 32 elements along K.
+    Int8G32,
+    /// INT8 symmetric, one f16 scale per 64 elements along K.
+    Int8G64,
+    /// INT8 symmetric, one f16 scale per 128 elements along K.
+    Int8G128,
+    /// INT4 symmetric (offset-binary nibbles, zero 8), one f32 scale per output channel.
+    Int4,
+    /// INT4 symmetric, one f16 scale per 32 along K.
+    Int4G32,
+    /// INT4 symmetric, one f16 scale per 64 along K.
+    Int4G64,
+    /// INT4 symmetric, one f16 scale per 128 along K.
+    Int4G128,
+    /// INT4 asymmetric (GPTQ / AWQ style): one f16 scale and one integer zero point per row.
+    Int4Asym,
+    /// INT4 asymmetric, scale and zero point per 32 along K.
+    Int4AsymG32,
+    /// INT4 asymmetric, scale and zero point per 64 along K.
+    Int4AsymG64,
+    /// INT4 asymmetric, scale and zero point per 128 along K.
+    Int4AsymG128,
+    /// NVFP4: e2m1 with one e4m3 scale per 16 along K and one f32 global scale per tensor (expert).
+    Nvfp4,
+    /// OCP MXFP4 (as gpt-oss ships): e2m1 with one E8M0 scale per 32 along K.
+    Mxfp4,
+}
+
+/// How one element is coded: what the kernels' `dequant_vec` decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codec {
+    Bf16,
+    Fp16,
+    E4m3,
+    /// Two's complement i8.
+    Int8,
+    /// Unsigned nibble minus a zero point (8 for the symmetric formats).
+    Uint4,
+    E2m1,
+}
+
+impl Codec {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Codec::Bf16 => "bf16",
+            Codec::Fp16 => "fp16",
+            Codec::E4m3 => "e4m3",
+            Codec::Int8 => "int8",
+            Codec::Uint4 => "uint4",
+            Codec::E2m1 => "e2m1",
+        }
+    }
+}
+
+/// Where a format's scales live and what one covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScaleLayout {
+    None,
+    /// One f32 per row.
+    RowF32,
+    /// One f32 per 128x128 block.
+    Block128F32,
+    /// One E8M0 byte per `group` elements along K.
+    E8m0 {
+        group: u32,
+    },
+    /// One f16 per `group` elements along K.
+    GroupF16 {
+        group: u32,
+    },
+    /// One u32 record (f16 scale, u8 zero point) per `group` elements along K; `group == 0`: one per row.
+    GroupF16Zero {
+        group: u32,
+    },
+    /// One e4m3 byte per 16 along K, after one f32 global per tensor.
+    Nvfp4,
+}
+
+impl ScaleLayout {
+    pub const fn name(self) -> &'static str {
+        match self {
+            ScaleLayout::None => "none",
+            ScaleLayout::RowF32 => "row",
+            ScaleLayout::Block128F32 => "block128",
+            ScaleLayout::E8m0 { .. } => "e8m0",
+            ScaleLayout::GroupF16 { .. } => "f16",
+            ScaleLayout::GroupF16Zero { .. } => "f16_zero",
+            ScaleLayout::Nvfp4 => "nvfp4",
+        }
+    }
+    /// Elements along K one scale covers; 0 where a scale covers a whole row (or there is none).
+    pub const fn group(self) -> u32 {
+        match self {
+            ScaleLayout::None | ScaleLayout::RowF32 => 0,
+            ScaleLayout::Block128F32 => 128,
+            ScaleLayout::Nvfp4 => 16,
+            ScaleLayout::E8m0 { group } | ScaleLayout::GroupF16 { group } | ScaleLayout::GroupF16Zero { group } => {
+                group
+            }
+        }
+    }
 }
 
 /// Why quantization refused its input.
@@ -26,41 +171,138 @@ pub enum QuantError {
     NonFinite { row: usize, col: usize, value: f32 },
     #[error("expected {expected} values for a {rows}x{cols} matrix, got {got}")]
     Shape { rows: usize, cols: usize, expected: usize, got: usize },
+    #[error("{format} cannot store a {rows}x{cols} matrix: {why}")]
+    Layout { format: WeightFormat, rows: usize, cols: usize, why: &'static str },
+    #[error(
+        "weight at row {row}, column {col} is {value}: {format} holds magnitudes up to {max} (its f16 scale saturates)"
+    )]
+    OutOfRange { format: WeightFormat, row: usize, col: usize, value: f32, max: f32 },
 }
 
-/// A quantized `[rows, cols]` matrix: raw element bytes plus per-row scales (empty if none).
+/// A quantized `[rows, cols]` matrix: `tensors` stacked matrices of `rows / tensors` rows each
+/// (experts), as raw code bytes plus the format's scale bytes (empty if none), both laid out as
+/// the module docs say.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
     pub rows: usize,
     pub cols: usize,
+    pub tensors: usize,
     pub data: Vec<u8>,
-    pub scales: Vec<f32>,
+    pub scales: Vec<u8>,
 }
 
+/// Largest integer code magnitude of the symmetric formats.
+const INT8_QMAX: f32 = 127.0;
+const INT4_QMAX: f32 = 7.0;
+/// NVFP4's global scale maps the tensor maximum to the largest block scale times the largest element.
+const NVFP4_RANGE: f32 = E4M3_MAX * E2M1_MAX;
+
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 3] = [WeightFormat::Bf16, WeightFormat::Fp16, WeightFormat::Fp8E4m3];
+    pub const ALL: [WeightFormat; 19] = [
+        WeightFormat::Bf16,
+        WeightFormat::Fp16,
+        WeightFormat::Fp8E4m3,
+        WeightFormat::Fp8E4m3B128,
+        WeightFormat::Mxfp8,
+        WeightFormat::Int8,
+        WeightFormat::Int8G32,
+        WeightFormat::Int8G64,
+        WeightFormat::Int8G128,
+        WeightFormat::Int4,
+        WeightFormat::Int4G32,
+        WeightFormat::Int4G64,
+        WeightFormat::Int4G128,
+        WeightFormat::Int4Asym,
+        WeightFormat::Int4AsymG32,
+        WeightFormat::Int4AsymG64,
+        WeightFormat::Int4AsymG128,
+        WeightFormat::Nvfp4,
+        WeightFormat::Mxfp4,
+    ];
+    /// Every name, comma-separated (for error messages).
+    pub const NAMES: &'static str = "bf16, fp16, fp8_e4m3, fp8_e4m3_b128, mxfp8, int8, int8_g32, int8_g64, int8_g128, \
+                                     int4, int4_g32, int4_g64, int4_g128, int4_asym, int4_asym_g32, int4_asym_g64, \
+                                     int4_asym_g128, nvfp4, mxfp4";
 
     pub const fn name(self) -> &'static str {
         match self {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::Fp16 => "fp16",
             WeightFormat::Fp8E4m3 => "fp8_e4m3",
+            WeightFormat::Fp8E4m3B128 => "fp8_e4m3_b128",
+            WeightFormat::Mxfp8 => "mxfp8",
+            WeightFormat::Int8 => "int8",
+            WeightFormat::Int8G32 => "int8_g32",
+            WeightFormat::Int8G64 => "int8_g64",
+            WeightFormat::Int8G128 => "int8_g128",
+            WeightFormat::Int4 => "int4",
+            WeightFormat::Int4G32 => "int4_g32",
+            WeightFormat::Int4G64 => "int4_g64",
+            WeightFormat::Int4G128 => "int4_g128",
+            WeightFormat::Int4Asym => "int4_asym",
+            WeightFormat::Int4AsymG32 => "int4_asym_g32",
+            WeightFormat::Int4AsymG64 => "int4_asym_g64",
+            WeightFormat::Int4AsymG128 => "int4_asym_g128",
+            WeightFormat::Nvfp4 => "nvfp4",
+            WeightFormat::Mxfp4 => "mxfp4",
         }
     }
-    /// Bytes per stored element.
-    pub const fn elem_bytes(self) -> u32 {
+
+    pub const fn codec(self) -> Codec {
+        use WeightFormat::*;
         match self {
-            WeightFormat::Bf16 | WeightFormat::Fp16 => 2,
-            WeightFormat::Fp8E4m3 => 1,
+            Bf16 => Codec::Bf16,
+            Fp16 => Codec::Fp16,
+            Fp8E4m3 | Fp8E4m3B128 | Mxfp8 => Codec::E4m3,
+            Int8 | Int8G32 | Int8G64 | Int8G128 => Codec::Int8,
+            Int4 | Int4G32 | Int4G64 | Int4G128 | Int4Asym | Int4AsymG32 | Int4AsymG64 | Int4AsymG128 => Codec::Uint4,
+            Nvfp4 | Mxfp4 => Codec::E2m1,
+        }
+    }
+
+    pub const fn scale_layout(self) -> ScaleLayout {
+        use WeightFormat::*;
+        match self {
+            Bf16 | Fp16 => ScaleLayout::None,
+            Fp8E4m3 | Int8 | Int4 => ScaleLayout::RowF32,
+            Fp8E4m3B128 => ScaleLayout::Block128F32,
+            Mxfp8 | Mxfp4 => ScaleLayout::E8m0 { group: 32 },
+            Int8G32 | Int4G32 => ScaleLayout::GroupF16 { group: 32 },
+            Int8G64 | Int4G64 => ScaleLayout::GroupF16 { group: 64 },
+            Int8G128 | Int4G128 => ScaleLayout::GroupF16 { group: 128 },
+            Int4Asym => ScaleLayout::GroupF16Zero { group: 0 },
+            Int4AsymG32 => ScaleLayout::GroupF16Zero { group: 32 },
+            Int4AsymG64 => ScaleLayout::GroupF16Zero { group: 64 },
+            Int4AsymG128 => ScaleLayout::GroupF16Zero { group: 128 },
+            Nvfp4 => ScaleLayout::Nvfp4,
+        }
+    }
+
+    /// Whether codes carry zero points (asymmetric INT4).
+    pub const fn has_zero_points(self) -> bool {
+        matches!(self.scale_layout(), ScaleLayout::GroupF16Zero { .. })
+    }
+
+    /// Bits per stored element.
+    pub const fn elem_bits(self) -> u32 {
+        match self.codec() {
+            Codec::Bf16 | Codec::Fp16 => 16,
+            Codec::E4m3 | Codec::Int8 => 8,
+            Codec::Uint4 | Codec::E2m1 => 4,
         }
     }
     /// Elements in one 16-byte vector load: the unit every kernel streams weights in.
     pub const fn elems_per_16b(self) -> u32 {
-        16 / self.elem_bytes()
+        128 / self.elem_bits()
+    }
+    /// Elements along K one scale covers (0: a whole row, or no scales). The reduction axes of a
+    /// spec must be multiples of it.
+    pub const fn k_group(self) -> u32 {
+        self.scale_layout().group()
     }
     /// Whether the format carries one fp32 scale per output row.
     pub const fn has_row_scales(self) -> bool {
-        matches!(self, WeightFormat::Fp8E4m3)
+        matches!(self.scale_layout(), ScaleLayout::RowF32)
     }
     /// The activation dtype used when the spec names none.
     pub const fn default_act_dtype(self) -> ActDtype {
@@ -69,53 +311,367 @@ impl WeightFormat {
             _ => ActDtype::Bf16,
         }
     }
-    /// Bytes of a `[rows, cols]` matrix in this format, scales included.
+
+    /// Bytes of the codes of a `[rows, cols]` matrix.
+    pub const fn data_bytes(self, rows: usize, cols: usize) -> usize {
+        rows * cols * self.elem_bits() as usize / 8
+    }
+    /// Scale bytes of `tensors` stacked `[rows, cols]` matrices.
+    pub const fn scale_bytes(self, tensors: usize, rows: usize, cols: usize) -> usize {
+        let r = tensors * rows;
+        match self.scale_layout() {
+            ScaleLayout::None => 0,
+            ScaleLayout::RowF32 => r * 4,
+            ScaleLayout::Block128F32 => r.div_ceil(128) * cols.div_ceil(128) * 4,
+            ScaleLayout::E8m0 { group } => r * cols.div_ceil(group as usize),
+            ScaleLayout::GroupF16 { group } => r * cols.div_ceil(group as usize) * 2,
+            ScaleLayout::GroupF16Zero { group } => {
+                let g = if group == 0 { 1 } else { cols.div_ceil(group as usize) };
+                r * g * 4
+            }
+            ScaleLayout::Nvfp4 => tensors * 4 + r * cols.div_ceil(16),
+        }
+    }
+    /// Bytes of one `[rows, cols]` matrix (one expert's) in this format: codes plus every scale
+    /// the kernels read for it (NVFP4's global included).
     pub const fn bytes_for(self, rows: usize, cols: usize) -> usize {
-        let scales = if self.has_row_scales() { rows * 4 } else { 0 };
-        rows * cols * self.elem_bytes() as usize + scales
+        self.data_bytes(rows, cols) + self.scale_bytes(1, rows, cols)
     }
 
-    /// Quantize a row-major `[rows, cols]` f32 matrix.
+    /// Whether `[rows, cols]` matrices (`rows` per stacked tensor) fit the layout.
+    pub fn check_matrix(self, rows: usize, cols: usize) -> Result<(), QuantError> {
+        let err = |why| Err(QuantError::Layout { format: self, rows, cols, why });
+        if self.elem_bits() == 4 && cols % 2 != 0 {
+            return err("4-bit codes pack two per byte along K: cols must be even");
+        }
+        let g = self.k_group() as usize;
+        if g > 0 && cols % g != 0 {
+            return err("cols must be a multiple of the scale group along K");
+        }
+        if self == WeightFormat::Fp8E4m3B128 && rows % 128 != 0 {
+            return err("128x128 block scales: each tensor's rows must be a multiple of 128");
+        }
+        Ok(())
+    }
+
+    /// Quantize a row-major `[rows, cols]` f32 matrix (one tensor).
     pub fn quantize(self, rows: usize, cols: usize, w: &[f32]) -> Result<Packed, QuantError> {
-        if w.len() != rows * cols {
-            return Err(QuantError::Shape { rows, cols, expected: rows * cols, got: w.len() });
+        self.quantize_stacked(1, rows, cols, w)
+    }
+
+    /// Quantize `tensors` stacked `[rows, cols]` matrices (`w` is `[tensors * rows, cols]`); per-tensor
+    /// quantities (NVFP4's global scale) are per stacked matrix. Tensors are quantized in parallel.
+    pub fn quantize_stacked(self, tensors: usize, rows: usize, cols: usize, w: &[f32]) -> Result<Packed, QuantError> {
+        let total = tensors * rows;
+        if w.len() != total * cols {
+            return Err(QuantError::Shape { rows: total, cols, expected: total * cols, got: w.len() });
         }
         if let Some(i) = w.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::NonFinite { row: i / cols.max(1), col: i % cols.max(1), value: w[i] });
         }
-        let (data, scales) = match self {
-            WeightFormat::Bf16 => (w.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(), vec![]),
-            WeightFormat::Fp16 => (w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(), vec![]),
-            WeightFormat::Fp8E4m3 => {
-                let mut data = Vec::with_capacity(w.len());
-                let mut scales = Vec::with_capacity(rows);
-                for row in w.chunks(cols.max(1)).take(rows) {
-                    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-                    data.extend(row.iter().map(|&v| e4m3_from_f32(v / scale)));
-                    scales.push(scale);
-                }
-                (data, scales)
+        self.check_matrix(rows, cols)?;
+        let per = rows * cols;
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(tensors.max(1));
+        let chunk = tensors.div_ceil(threads.max(1)).max(1);
+        let parts: Vec<Result<Vec<Tensor>, QuantError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..tensors)
+                .step_by(chunk)
+                .map(|t0| {
+                    let t1 = (t0 + chunk).min(tensors);
+                    sc.spawn(move || {
+                        (t0..t1)
+                            .map(|t| self.quantize_tensor(rows, cols, &w[t * per..(t + 1) * per], t * rows))
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("quantizer thread panicked")).collect()
+        });
+        let mut data = Vec::with_capacity(self.data_bytes(total, cols));
+        let mut globals = Vec::new();
+        let mut body = Vec::new();
+        for part in parts {
+            for t in part? {
+                data.extend_from_slice(&t.data);
+                body.extend_from_slice(&t.scales);
+                globals.extend(t.global.map(f32::to_le_bytes).into_iter().flatten());
             }
-        };
-        Ok(Packed { rows, cols, data, scales })
+        }
+        globals.extend_from_slice(&body);
+        Ok(Packed { rows: total, cols, tensors, data, scales: globals })
     }
 
-    /// Dequantize to f32 exactly as the kernels do (element value times row scale, in f32).
-    pub fn dequantize(self, p: &Packed) -> Vec<f32> {
-        let cols = p.cols.max(1);
-        match self {
-            WeightFormat::Bf16 => {
-                p.data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+    /// One tensor: codes, its scale body, its global (NVFP4). `row0` numbers rows in errors.
+    fn quantize_tensor(self, rows: usize, cols: usize, w: &[f32], row0: usize) -> Result<Tensor, QuantError> {
+        let mut data = Vec::with_capacity(self.data_bytes(rows, cols));
+        let mut scales = Vec::new();
+        let mut global = None;
+        let amax = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let range_err = |r: usize, g0: usize, v: &[f32], max: f32| {
+            let (c, &value) = v.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).expect("non-empty");
+            QuantError::OutOfRange { format: self, row: row0 + r, col: g0 + c, value, max }
+        };
+        match self.scale_layout() {
+            ScaleLayout::Block128F32 => {
+                // Codes row-major, scales [rows/128, cols/128].
+                let (br, bc) = (rows / 128, cols.div_ceil(128));
+                let mut s = vec![1f32; br * bc];
+                for (b, sb) in s.iter_mut().enumerate() {
+                    let (i, j) = (b / bc, b % bc);
+                    let c1 = ((j + 1) * 128).min(cols);
+                    let m = (i * 128..(i + 1) * 128)
+                        .map(|r| amax(&w[r * cols + j * 128..r * cols + c1]))
+                        .fold(0f32, f32::max);
+                    *sb = f32_scale(m, E4M3_MAX);
+                }
+                for r in 0..rows {
+                    data.extend(
+                        w[r * cols..(r + 1) * cols]
+                            .iter()
+                            .enumerate()
+                            .map(|(c, &v)| e4m3_from_f32(v / s[(r / 128) * bc + c / 128])),
+                    );
+                }
+                scales.extend(s.iter().flat_map(|v| v.to_le_bytes()));
             }
-            WeightFormat::Fp16 => {
-                p.data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            ScaleLayout::Nvfp4 => {
+                let g = f32_scale(amax(w), NVFP4_RANGE);
+                global = Some(g);
+                for row in w.chunks_exact(cols) {
+                    let mut codes = Vec::with_capacity(cols);
+                    for grp in row.chunks_exact(16) {
+                        let sc = crate::numerics::e4m3_from_f32(amax(grp) / E2M1_MAX / g);
+                        scales.push(sc);
+                        let denom = e4m3_to_f32(sc) * g;
+                        codes.extend(grp.iter().map(|&v| if denom > 0.0 { e2m1_from_f32(v / denom) } else { 0 }));
+                    }
+                    pack_nibbles(&codes, &mut data);
+                }
             }
-            WeightFormat::Fp8E4m3 => {
-                p.data.iter().enumerate().map(|(i, &b)| e4m3_to_f32(b) * p.scales[i / cols]).collect()
+            layout => {
+                for (r, row) in w.chunks_exact(cols).enumerate() {
+                    match layout {
+                        ScaleLayout::None => {
+                            // Past the 16-bit format's largest value the conversion gives infinity.
+                            let (bytes, max): (Vec<[u8; 2]>, f32) = match self {
+                                WeightFormat::Bf16 => (
+                                    row.iter().map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+                                    half::bf16::MAX.to_f32(),
+                                ),
+                                _ => (row.iter().map(|&v| f16::from_f32(v).to_le_bytes()).collect(), f16::MAX.to_f32()),
+                            };
+                            let inf = |b: &[u8; 2]| match self {
+                                WeightFormat::Bf16 => half::bf16::from_le_bytes(*b).is_infinite(),
+                                _ => f16::from_le_bytes(*b).is_infinite(),
+                            };
+                            if let Some(c) = bytes.iter().position(inf) {
+                                return Err(QuantError::OutOfRange {
+                                    format: self,
+                                    row: row0 + r,
+                                    col: c,
+                                    value: row[c],
+                                    max,
+                                });
+                            }
+                            data.extend(bytes.into_iter().flatten());
+                        }
+                        ScaleLayout::RowF32 => {
+                            let m = amax(row);
+                            let qmax = match self.codec() {
+                                Codec::E4m3 => E4M3_MAX,
+                                Codec::Int8 => INT8_QMAX,
+                                _ => INT4_QMAX,
+                            };
+                            let s = f32_scale(m, qmax);
+                            scales.extend_from_slice(&s.to_le_bytes());
+                            self.encode_sym(row, s, &mut data);
+                        }
+                        ScaleLayout::E8m0 { group } => {
+                            let (emax, mut codes) = match self.codec() {
+                                Codec::E4m3 => (E4M3_EMAX, Vec::new()),
+                                _ => (E2M1_EMAX, Vec::with_capacity(cols)),
+                            };
+                            for grp in row.chunks_exact(group as usize) {
+                                let e = e8m0_for_amax(amax(grp), emax);
+                                scales.push(e);
+                                let x = e8m0_to_f32(e);
+                                match self.codec() {
+                                    Codec::E4m3 => data.extend(grp.iter().map(|&v| e4m3_from_f32(v / x))),
+                                    _ => codes.extend(grp.iter().map(|&v| e2m1_from_f32(v / x))),
+                                }
+                            }
+                            if self.codec() == Codec::E2m1 {
+                                pack_nibbles(&codes, &mut data);
+                            }
+                        }
+                        ScaleLayout::GroupF16 { group } => {
+                            let qmax = if self.codec() == Codec::Int8 { INT8_QMAX } else { INT4_QMAX };
+                            let mut codes = Vec::with_capacity(cols);
+                            for (gi, grp) in row.chunks_exact(group as usize).enumerate() {
+                                let s = f16_scale(amax(grp) / qmax)
+                                    .ok_or_else(|| range_err(r, gi * group as usize, grp, f16::MAX.to_f32() * qmax))?;
+                                scales.extend_from_slice(&s.to_le_bytes());
+                                let sf = s.to_f32();
+                                match self.codec() {
+                                    Codec::Int8 => {
+                                        data.extend(grp.iter().map(|&v| int_code(v, sf, -127.0, 127.0) as i8 as u8))
+                                    }
+                                    _ => codes.extend(grp.iter().map(|&v| (int_code(v, sf, -8.0, 7.0) + 8) as u8)),
+                                }
+                            }
+                            if self.codec() == Codec::Uint4 {
+                                pack_nibbles(&codes, &mut data);
+                            }
+                        }
+                        ScaleLayout::GroupF16Zero { group } => {
+                            let g = if group == 0 { cols } else { group as usize };
+                            let mut codes = Vec::with_capacity(cols);
+                            for (gi, grp) in row.chunks_exact(g).enumerate() {
+                                let lo = grp.iter().fold(0f32, |m, &v| m.min(v));
+                                let hi = grp.iter().fold(0f32, |m, &v| m.max(v));
+                                let span = (hi as f64 - lo as f64) / 15.0;
+                                let s = f16_scale(span as f32)
+                                    .filter(|_| span <= f16::MAX.to_f64())
+                                    .ok_or_else(|| range_err(r, gi * g, grp, f16::MAX.to_f32() * 7.5))?;
+                                let sf = s.to_f32();
+                                let z = rne(-lo / sf).clamp(0.0, 15.0);
+                                let rec = s.to_bits() as u32 | (z as u32) << 16;
+                                scales.extend_from_slice(&rec.to_le_bytes());
+                                codes.extend(grp.iter().map(|&v| (rne(v / sf) + z).clamp(0.0, 15.0) as u8));
+                            }
+                            pack_nibbles(&codes, &mut data);
+                        }
+                        ScaleLayout::Block128F32 | ScaleLayout::Nvfp4 => unreachable!("handled above"),
+                    }
+                }
+            }
+        }
+        Ok(Tensor { data, scales, global })
+    }
+
+    /// Codes of a row under one f32 scale (the per-row symmetric formats).
+    fn encode_sym(self, row: &[f32], s: f32, data: &mut Vec<u8>) {
+        match self.codec() {
+            Codec::E4m3 => data.extend(row.iter().map(|&v| e4m3_from_f32(v / s))),
+            Codec::Int8 => data.extend(row.iter().map(|&v| int_code(v, s, -127.0, 127.0) as i8 as u8)),
+            _ => {
+                let codes: Vec<u8> = row.iter().map(|&v| (int_code(v, s, -8.0, 7.0) + 8) as u8).collect();
+                pack_nibbles(&codes, data);
             }
         }
     }
+
+    /// Dequantize every row (see the module docs for the exact arithmetic).
+    pub fn dequantize(self, p: &Packed) -> Vec<f32> {
+        let mut out = Vec::with_capacity(p.rows * p.cols);
+        for r in 0..p.rows {
+            out.extend(self.dequantize_row(&p.data, &p.scales, p.tensors, p.rows, p.cols, r));
+        }
+        out
+    }
+
+    /// Row `r` of `tensors` stacked matrices with `rows` rows in all, dequantized exactly as the
+    /// kernels' dequant primitives compute it: `((code - zero) * group_scale) * row_scale` in f32.
+    pub fn dequantize_row(
+        self,
+        data: &[u8],
+        scales: &[u8],
+        tensors: usize,
+        rows: usize,
+        cols: usize,
+        r: usize,
+    ) -> Vec<f32> {
+        let rb = self.data_bytes(1, cols);
+        let d = &data[r * rb..(r + 1) * rb];
+        let f32_at = |i: usize| f32::from_le_bytes(scales[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        let f16_at = |i: usize| f16::from_le_bytes([scales[2 * i], scales[2 * i + 1]]).to_f32();
+        let code = |c: usize| -> f32 {
+            match self.codec() {
+                Codec::Bf16 => half::bf16::from_le_bytes([d[2 * c], d[2 * c + 1]]).to_f32(),
+                Codec::Fp16 => f16::from_le_bytes([d[2 * c], d[2 * c + 1]]).to_f32(),
+                Codec::E4m3 => e4m3_to_f32(d[c]),
+                Codec::Int8 => d[c] as i8 as f32,
+                Codec::Uint4 => ((d[c / 2] >> (4 * (c % 2))) & 15) as f32,
+                Codec::E2m1 => e2m1_to_f32((d[c / 2] >> (4 * (c % 2))) & 15),
+            }
+        };
+        let per_tensor = rows / tensors.max(1);
+        (0..cols)
+            .map(|c| {
+                let (v, gs, rs) = match self.scale_layout() {
+                    ScaleLayout::None => (code(c), 1.0, 1.0),
+                    ScaleLayout::RowF32 => {
+                        let v = if self.codec() == Codec::Uint4 { code(c) - 8.0 } else { code(c) };
+                        (v, 1.0, f32_at(r))
+                    }
+                    ScaleLayout::Block128F32 => (code(c), f32_at((r / 128) * cols.div_ceil(128) + c / 128), 1.0),
+                    ScaleLayout::E8m0 { group } => {
+                        let g = group as usize;
+                        (code(c), e8m0_to_f32(scales[r * (cols / g) + c / g]), 1.0)
+                    }
+                    ScaleLayout::GroupF16 { group } => {
+                        let g = group as usize;
+                        let v = if self.codec() == Codec::Uint4 { code(c) - 8.0 } else { code(c) };
+                        (v, f16_at(r * (cols / g) + c / g), 1.0)
+                    }
+                    ScaleLayout::GroupF16Zero { group } => {
+                        let g = if group == 0 { cols } else { group as usize };
+                        let i = r * (cols / g) + c / g;
+                        let rec = u32::from_le_bytes(scales[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+                        let s = f16::from_bits(rec as u16).to_f32();
+                        (code(c) - ((rec >> 16) & 0xff) as f32, s, 1.0)
+                    }
+                    ScaleLayout::Nvfp4 => {
+                        let body = 4 * tensors;
+                        (code(c), e4m3_to_f32(scales[body + r * (cols / 16) + c / 16]), f32_at(r / per_tensor))
+                    }
+                };
+                v * gs * rs
+            })
+            .collect()
+    }
+}
+
+/// One quantized tensor before stacking.
+struct Tensor {
+    data: Vec<u8>,
+    scales: Vec<u8>,
+    global: Option<f32>,
+}
+
+/// The f32 scale mapping `amax` to `qmax`: 1 for an all-zero block, never 0 (a subnormal `amax`
+/// underflows the division), and small enough that `qmax * scale` stays finite.
+fn f32_scale(amax: f32, qmax: f32) -> f32 {
+    if amax == 0.0 {
+        return 1.0;
+    }
+    let mut s = (amax / qmax).max(f32::from_bits(1));
+    while !(qmax * s).is_finite() {
+        s = f32::from_bits(s.to_bits() - 1);
+    }
+    s
+}
+
+/// `rne(v / s)` clamped to `[lo, hi]`.
+fn int_code(v: f32, s: f32, lo: f32, hi: f32) -> i32 {
+    rne(v / s).clamp(lo, hi) as i32
+}
+
+/// A positive f16 scale for `s >= 0`: 1 for 0, at least the smallest f16 subnormal, `None` past f16's range.
+fn f16_scale(s: f32) -> Option<f16> {
+    if s == 0.0 {
+        return Some(f16::ONE);
+    }
+    let h = f16::from_f32(s);
+    if !h.is_finite() {
+        return None;
+    }
+    Some(if h.to_f32() == 0.0 { f16::from_bits(1) } else { h })
+}
+
+/// Two nibbles per byte, element `2j` in the low nibble.
+fn pack_nibbles(codes: &[u8], out: &mut Vec<u8>) {
+    out.extend(codes.chunks(2).map(|p| (p[0] & 15) | (p.get(1).copied().unwrap_or(0) & 15) << 4));
 }
 
 impl FromStr for WeightFormat {
@@ -124,7 +680,7 @@ impl FromStr for WeightFormat {
         WeightFormat::ALL.into_iter().find(|v| v.name() == s).ok_or_else(|| SpecError::Unknown {
             what: "weight format",
             got: s.to_string(),
-            expected: "bf16, fp16, fp8_e4m3",
+            expected: WeightFormat::NAMES,
         })
     }
 }
@@ -135,113 +691,256 @@ impl fmt::Display for WeightFormat {
     }
 }
 
-/// Largest finite e4m3fn value.
-pub const E4M3_MAX: f32 = 448.0;
-
-/// Decode one e4m3fn byte (bias 7, no infinities, 0x7f/0xff are NaN).
-pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((b >> 3) & 0xf) as i32;
-    let m = (b & 7) as f32;
-    if e == 15 && b & 7 == 7 {
-        return f32::NAN;
-    }
-    let mag = if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) };
-    sign * mag
-}
-
-/// Encode to e4m3fn: round to nearest, ties to even, saturating at ±448.
-pub fn e4m3_from_f32(v: f32) -> u8 {
-    if v.is_nan() {
-        return 0x7f;
-    }
-    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
-    let a = v.abs();
-    if a >= E4M3_MAX {
-        return sign | 0x7e;
-    }
-    // Codes 0..=0x7e are the non-negative finite values in increasing order.
-    let (mut lo, mut hi) = (0u8, 0x7eu8);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if e4m3_to_f32(mid) <= a {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
-    let code = if dl < dh || (dl == dh && lo & 1 == 0) { lo } else { hi };
-    sign | code
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A deterministic, roughly Gaussian test matrix with one outlier per row.
+    fn matrix(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as f32 / u32::MAX as f32
+        };
+        (0..rows * cols)
+            .map(|i| {
+                let g = (0..4).map(|_| next()).sum::<f32>() - 2.0;
+                let scale = 0.05 * (1 + (i / cols) % 7) as f32;
+                if i % cols == (i / cols * 37) % cols {
+                    g * scale * 4.0
+                } else {
+                    g * scale
+                }
+            })
+            .collect()
+    }
+
+    /// The largest error a format may make on an element: `(relative to the element, relative to
+    /// the maximum magnitude of its scale group)` (MX saturation and e2m1's gaps dominate the 4-bit
+    /// floats; integers round to half a step).
+    fn bound(f: WeightFormat) -> (f32, f32) {
+        match f.codec() {
+            Codec::Bf16 => (1.0 / 256.0, 0.0),
+            Codec::Fp16 => (1.0 / 2048.0, 0.0),
+            Codec::E4m3 if f == WeightFormat::Mxfp8 => (1.0 / 16.0, 0.125),
+            Codec::E4m3 => (1.0 / 16.0, 1e-5),
+            Codec::Int8 => (0.0, 0.5 / 127.0 + 1e-3),
+            Codec::Uint4 if f.has_zero_points() => (0.0, 0.5 / 7.5 + 1e-3),
+            Codec::Uint4 => (0.0, 0.5 / 7.0 + 1e-3),
+            Codec::E2m1 => (0.0, 0.25),
+        }
+    }
+
+    /// The columns sharing `c`'s scale group (128 for the block format, the row when per row).
+    fn group_of(f: WeightFormat, cols: usize, c: usize) -> std::ops::Range<usize> {
+        let g = match f.k_group() {
+            0 => cols,
+            g => g as usize,
+        };
+        (c / g * g)..((c / g + 1) * g).min(cols)
+    }
+
     #[test]
-    fn e4m3_roundtrips_every_finite_code() {
-        for b in 0u8..=255 {
-            let v = e4m3_to_f32(b);
-            if v.is_nan() {
-                assert!(b & 0x7f == 0x7f);
-                continue;
+    fn every_format_roundtrips_within_its_bound() {
+        let (t, rows, cols) = (2, 128, 256);
+        let w = matrix(t * rows, cols, 7);
+        for f in WeightFormat::ALL {
+            let p = f.quantize_stacked(t, rows, cols, &w).unwrap();
+            assert_eq!((p.rows, p.cols, p.tensors), (t * rows, cols, t));
+            assert_eq!(p.data.len(), f.data_bytes(t * rows, cols), "{f}");
+            assert_eq!(p.scales.len(), f.scale_bytes(t, rows, cols), "{f}");
+            let d = f.dequantize(&p);
+            let (mut e2, mut w2) = (0f64, 0f64);
+            // Per element, the maximum magnitude over its scale group (block of 128 rows for b128).
+            let band = if f == WeightFormat::Fp8E4m3B128 { 128 } else { 1 };
+            let mut gmax = vec![0f32; w.len()];
+            for r0 in (0..t * rows).step_by(band) {
+                let mut c = 0;
+                while c < cols {
+                    let g = group_of(f, cols, c);
+                    let m = (r0..r0 + band)
+                        .flat_map(|r| g.clone().map(move |cc| (r, cc)))
+                        .map(|(r, cc)| w[r * cols + cc].abs())
+                        .fold(0f32, f32::max);
+                    for r in r0..r0 + band {
+                        gmax[r * cols + g.start..r * cols + g.end].fill(m);
+                    }
+                    c = g.end;
+                }
             }
-            let back = e4m3_from_f32(v);
-            // +0 and -0 both round-trip to themselves.
-            assert_eq!(back, b, "code {b:#x} value {v}");
+            for r in 0..t * rows {
+                for c in 0..cols {
+                    let (a, b) = (w[r * cols + c], d[r * cols + c]);
+                    let amax = gmax[r * cols + c];
+                    let tol = a.abs() * bound(f).0 + amax * bound(f).1;
+                    assert!((a - b).abs() <= tol + 1e-7, "{f} [{r}][{c}]: {a} -> {b} (group max {amax})");
+                    e2 += ((a - b) as f64).powi(2);
+                    w2 += (a as f64).powi(2);
+                }
+            }
+            let rel = (e2 / w2).sqrt();
+            let limit = match (f.elem_bits(), f.k_group()) {
+                (16, _) => 3e-3,
+                (8, _) => 0.05,
+                (_, 0) => 0.25, // 4 bits over a whole row with an outlier in it
+                _ => 0.15,
+            };
+            assert!(rel < limit, "{f}: relative rms error {rel}");
         }
-        assert_eq!(e4m3_to_f32(0x7e), 448.0);
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
     }
 
     #[test]
-    fn e4m3_rounds_to_nearest_even_and_saturates() {
-        // 1.0 = 0x38, next is 1.125 = 0x39; 1.0625 is a tie -> even (0x38).
-        assert_eq!(e4m3_from_f32(1.0625), 0x38);
-        assert_eq!(e4m3_from_f32(1.07), 0x39);
-        assert_eq!(e4m3_from_f32(1e6), 0x7e);
-        assert_eq!(e4m3_from_f32(-1e6), 0xfe);
-    }
-
-    #[test]
-    fn fp8_quantize_is_close_and_per_row() {
-        let (rows, cols) = (3, 64);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * (1 + i / cols) as f32).collect();
-        let p = WeightFormat::Fp8E4m3.quantize(rows, cols, &w).unwrap();
-        assert_eq!(p.scales.len(), rows);
-        let d = WeightFormat::Fp8E4m3.dequantize(&p);
-        for (a, b) in w.iter().zip(&d) {
-            assert!((a - b).abs() <= a.abs() * 0.0625 + 1e-3, "{a} vs {b}");
+    fn zeros_quantize_to_zeros() {
+        for f in WeightFormat::ALL {
+            let p = f.quantize_stacked(2, 128, 128, &[0.0; 2 * 128 * 128]).unwrap();
+            let d = f.dequantize(&p);
+            assert!(d.iter().all(|&v| v == 0.0), "{f}");
         }
-        // The row maximum maps to exactly 448 * scale.
-        let amax = w[..cols].iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert!((d[..cols].iter().fold(0f32, |m, v| m.max(v.abs())) - amax).abs() < 1e-4 * amax);
-    }
-
-    #[test]
-    fn zero_rows_get_unit_scale() {
+        // Unit scales for all-zero rows.
         let p = WeightFormat::Fp8E4m3.quantize(2, 16, &[0.0; 32]).unwrap();
-        assert_eq!(p.scales, vec![1.0, 1.0]);
-        assert!(WeightFormat::Fp8E4m3.dequantize(&p).iter().all(|&v| v == 0.0));
+        assert_eq!(p.scales, [1f32.to_le_bytes(), 1f32.to_le_bytes()].concat());
+    }
+
+    #[test]
+    fn extreme_magnitudes() {
+        let (rows, cols) = (128, 128);
+        let mut w = matrix(rows, cols, 3);
+        for r in 0..rows {
+            w[r * cols + r] = if r % 2 == 0 { f32::MAX } else { -f32::MAX };
+        }
+        for f in WeightFormat::ALL {
+            match f.quantize(rows, cols, &w) {
+                Ok(p) => {
+                    let d = f.dequantize(&p);
+                    assert!(d.iter().all(|v| v.is_finite()), "{f}: a value decoded to infinity");
+                    for r in 0..rows {
+                        let got = d[r * cols + r];
+                        let want = w[r * cols + r];
+                        let tol = want.abs() * (bound(f).0 + bound(f).1);
+                        assert!((got - want).abs() <= tol, "{f} row {r}: {want} -> {got}");
+                    }
+                }
+                Err(e) => {
+                    // Formats with 16-bit floats or f16 scales cannot reach f32::MAX: a typed error.
+                    let sixteen = matches!(
+                        f.scale_layout(),
+                        ScaleLayout::None | ScaleLayout::GroupF16 { .. } | ScaleLayout::GroupF16Zero { .. }
+                    );
+                    assert!(sixteen, "{f}: {e}");
+                    assert!(matches!(e, QuantError::OutOfRange { row: 0, col: 0, .. }), "{f}: {e}");
+                }
+            }
+        }
+        // The largest magnitudes the f16-scaled formats do hold come back.
+        let m = f16::MAX.to_f32() * 127.0;
+        let p = WeightFormat::Int8G32.quantize(1, 32, &[[m, -m].as_slice(), &[0.0; 30]].concat()).unwrap();
+        let d = WeightFormat::Int8G32.dequantize(&p);
+        assert_eq!((d[0], d[1]), (m, -m));
+    }
+
+    #[test]
+    fn subnormal_inputs_stay_finite_and_tiny() {
+        let (rows, cols) = (128, 128);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| f32::from_bits(1 + (i as u32 * 7919) % 0x7f_ffff) * if i % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        assert!(w.iter().all(|v| v.is_subnormal()));
+        for f in WeightFormat::ALL {
+            let p = f.quantize(rows, cols, &w).unwrap();
+            let d = f.dequantize(&p);
+            for (a, b) in w.iter().zip(&d) {
+                assert!(b.is_finite() && (a - b).abs() <= 2.0 * f32::MIN_POSITIVE, "{f}: {a} -> {b}");
+            }
+        }
+        // With an f32 row scale, subnormal rows keep most of their precision.
+        let p = WeightFormat::Int8.quantize(rows, cols, &w).unwrap();
+        let d = WeightFormat::Int8.dequantize(&p);
+        let err = w.iter().zip(&d).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err <= 1e-40, "{err}");
     }
 
     #[test]
     fn non_finite_and_bad_shapes_are_refused() {
-        let mut w = vec![1.0f32; 32];
-        w[17] = f32::NAN;
-        assert!(matches!(WeightFormat::Bf16.quantize(2, 16, &w), Err(QuantError::NonFinite { row: 1, col: 1, .. })));
-        assert!(matches!(WeightFormat::Fp8E4m3.quantize(2, 16, &w), Err(QuantError::NonFinite { row: 1, col: 1, .. })));
-        w[17] = f32::INFINITY;
-        assert!(matches!(WeightFormat::Fp16.quantize(2, 16, &w), Err(QuantError::NonFinite { .. })));
-        assert!(matches!(WeightFormat::Bf16.quantize(3, 16, &w), Err(QuantError::Shape { expected: 48, got: 32, .. })));
+        for f in WeightFormat::ALL {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut w = vec![1.0f32; 2 * 128];
+                w[128 + 5] = bad;
+                let e = f.quantize(2, 128, &w).unwrap_err();
+                assert!(matches!(e, QuantError::NonFinite { row: 1, col: 5, .. }), "{f}: {e}");
+            }
+            let e = f.quantize(3, 128, &[0.0; 256]).unwrap_err();
+            assert!(matches!(e, QuantError::Shape { expected: 384, got: 256, .. }), "{f}: {e}");
+        }
+        let e = WeightFormat::Int4G128.quantize(1, 64, &[0.0; 64]).unwrap_err();
+        assert!(matches!(e, QuantError::Layout { .. }), "{e}");
+        let e = WeightFormat::Fp8E4m3B128.quantize(64, 128, &[0.0; 64 * 128]).unwrap_err();
+        assert!(matches!(e, QuantError::Layout { .. }), "{e}");
     }
 
     #[test]
-    fn half_formats_roundtrip_representable_values() {
-        let w: Vec<f32> = (0..64).map(|i| (i as f32 - 32.0) * 0.25).collect();
-        for f in [WeightFormat::Bf16, WeightFormat::Fp16] {
-            assert_eq!(f.dequantize(&f.quantize(4, 16, &w).unwrap()), w);
+    fn packed_layouts_byte_by_byte() {
+        // INT4 symmetric: u = q + 8, element 0 in the low nibble; one f32 scale per row.
+        let w = [-7.0f32, 7.0, 0.0, 1.0];
+        let p = WeightFormat::Int4.quantize(1, 4, &w).unwrap();
+        assert_eq!(p.data, vec![0x01 | 0xf0, 0x08 | 0x90]);
+        assert_eq!(p.scales, 1f32.to_le_bytes());
+        assert_eq!(WeightFormat::Int4.dequantize(&p), w);
+        // INT8: two's complement codes.
+        let p = WeightFormat::Int8.quantize(1, 2, &[-127.0, 64.0]).unwrap();
+        assert_eq!(p.data, vec![0x81, 64]);
+        // Asymmetric INT4: [0, 15] over [-3, 12]: scale 1, zero 3, record = f16(1) | 3 << 16.
+        let w: Vec<f32> = (0..32).map(|i| (i % 16) as f32 - 3.0).collect();
+        let p = WeightFormat::Int4AsymG32.quantize(1, 32, &w).unwrap();
+        assert_eq!(p.scales, (0x3c00u32 | 3 << 16).to_le_bytes());
+        assert_eq!(p.data[0], 0x10);
+        assert_eq!(WeightFormat::Int4AsymG32.dequantize(&p), w);
+        // MXFP4: amax 6 -> E8M0 127 (2^0), codes are the e2m1 nibbles themselves.
+        let w: Vec<f32> =
+            (0..32).map(|i| crate::numerics::E2M1_VALUES[i % 8] * if i % 16 >= 8 { -1.0 } else { 1.0 }).collect();
+        let p = WeightFormat::Mxfp4.quantize(1, 32, &w).unwrap();
+        assert_eq!(p.scales, vec![127]);
+        assert_eq!(p.data[0], 0x10);
+        assert_eq!(p.data[4], 0x98);
+        assert_eq!(WeightFormat::Mxfp4.dequantize(&p), w);
+        // NVFP4: globals first, one per stacked tensor, then the e4m3 block scales.
+        let w: Vec<f32> = (0..2 * 32).map(|i| (i % 7) as f32 * if i >= 32 { 10.0 } else { 1.0 }).collect();
+        let p = WeightFormat::Nvfp4.quantize_stacked(2, 1, 32, &w).unwrap();
+        assert_eq!(p.scales.len(), 2 * 4 + 2 * 2);
+        let g0 = f32::from_le_bytes(p.scales[0..4].try_into().unwrap());
+        let g1 = f32::from_le_bytes(p.scales[4..8].try_into().unwrap());
+        assert_eq!((g0, g1), (6.0 / 2688.0, 60.0 / 2688.0));
+        // Block 128x128: one f32 per block, blocks of the second row band after the first.
+        let mut w = vec![1.0f32; 256 * 128];
+        w[200 * 128] = 448.0 * 4.0;
+        let p = WeightFormat::Fp8E4m3B128.quantize(256, 128, &w).unwrap();
+        let s: Vec<f32> = p.scales.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(s, vec![1.0 / 448.0, 4.0]);
+    }
+
+    #[test]
+    fn bytes_count_codes_and_every_scale() {
+        let (n, k) = (1536, 2048);
+        assert_eq!(WeightFormat::Bf16.bytes_for(n, k), n * k * 2);
+        assert_eq!(WeightFormat::Fp8E4m3.bytes_for(n, k), n * k + 4 * n);
+        assert_eq!(WeightFormat::Fp8E4m3B128.bytes_for(n, k), n * k + 4 * 12 * 16);
+        assert_eq!(WeightFormat::Mxfp8.bytes_for(n, k), n * k + n * 64);
+        assert_eq!(WeightFormat::Int8G128.bytes_for(n, k), n * k + 2 * n * 16);
+        assert_eq!(WeightFormat::Int4.bytes_for(n, k), n * k / 2 + 4 * n);
+        assert_eq!(WeightFormat::Int4AsymG128.bytes_for(n, k), n * k / 2 + 4 * n * 16);
+        assert_eq!(WeightFormat::Int4Asym.bytes_for(n, k), n * k / 2 + 4 * n);
+        assert_eq!(WeightFormat::Nvfp4.bytes_for(n, k), n * k / 2 + n * k / 16 + 4);
+        assert_eq!(WeightFormat::Mxfp4.bytes_for(n, k), n * k / 2 + n * k / 32);
+    }
+
+    #[test]
+    fn names_parse() {
+        for f in WeightFormat::ALL {
+            assert_eq!(f.name().parse::<WeightFormat>().unwrap(), f);
+            assert!(WeightFormat::NAMES.contains(f.name()));
         }
+        let e = "int3".parse::<WeightFormat>().unwrap_err();
+        assert!(e.to_string().contains("nvfp4"), "{e}");
     }
 }

@@ -3,12 +3,16 @@
 //! Pure Rust with no CUDA dependency: everything here runs in unit tests in milliseconds.
 //! Data flows one way: `MoeSpec` -> [`render`] -> [`KernelSource`] -> (moe-runtime) NVRTC.
 
+pub mod dequant;
 pub mod format;
+pub mod numerics;
 pub mod render;
 pub mod spec;
 
-pub use format::{Packed, QuantError, WeightFormat};
+pub use dequant::DequantVariant;
+pub use format::{Codec, Packed, QuantError, ScaleLayout, WeightFormat};
 pub use render::{
-    render, render_warp_decode, routing_smem_bytes, variants, CodegenError, DecodeTiles, KernelSource, TOKEN_TILES,
+    dequant_variants, render, render_dequant_probe, render_warp_decode, routing_smem_bytes, static_smem_bytes,
+    variants, CodegenError, DecodeTiles, KernelSource, TOKEN_TILES,
 };
 pub use spec::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, MoeSpecBuilder, SpecError, REFERENCE_GEOMETRIES};

@@ -1,6 +1,8 @@
 //! Rendering: (spec, family, arch) -> CUDA C source with every geometry and format constant baked in.
 
-use crate::format::WeightFormat;
+use crate::dequant::DequantVariant;
+use crate::format::{Codec, WeightFormat};
+use crate::numerics::{e2m1_to_f32, e4m3_to_f32};
 use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
 use askama::Template;
 
@@ -11,6 +13,80 @@ pub enum CodegenError {
     Template(String),
     #[error("{family} does not support {what} on {arch}")]
     Unsupported { family: KernelFamily, arch: Arch, what: String },
+    #[error("dequant = {variant} is not available for {format} weights on {arch}: {why}")]
+    DequantUnavailable { format: WeightFormat, variant: DequantVariant, arch: Arch, why: &'static str },
+    #[error("dequant probe of {format}: {why}")]
+    Probe { format: WeightFormat, why: String },
+}
+
+/// What `templates/dequant.cuh` needs to pick and fill a format's includes.
+#[derive(Debug, Clone)]
+struct FormatCtx {
+    name: &'static str,
+    /// Element codec include: `dequant_<codec>.cuh`.
+    codec: &'static str,
+    /// `lut`, `bits` or `hardware`.
+    variant: &'static str,
+    /// Scale include: `scales_<layout>.cuh`.
+    scales: &'static str,
+    /// Elements along K per scale (0: per row, or none).
+    group: u32,
+    /// Elements per 16-byte vector.
+    vec: u32,
+    /// Zero points come from the scales (asymmetric INT4).
+    asym: bool,
+    /// `lut`: the table, as f32 bit patterns (the Rust decoder's values), and its length.
+    lut: String,
+    lut_len: usize,
+}
+
+impl FormatCtx {
+    fn new(format: WeightFormat, variant: DequantVariant) -> FormatCtx {
+        let table: Vec<f32> = match (variant, format.codec()) {
+            (DequantVariant::Lut, Codec::E4m3) => (0..=255u8).map(e4m3_to_f32).collect(),
+            (DequantVariant::Lut, Codec::Int8) => (0..=255u8).map(|b| b as i8 as f32).collect(),
+            // Symmetric INT4 folds its zero point (8) into the table; asymmetric subtracts its own.
+            (DequantVariant::Lut, Codec::Uint4) if format.has_zero_points() => (0..16).map(|u| u as f32).collect(),
+            (DequantVariant::Lut, Codec::Uint4) => (0..16).map(|u| u as f32 - 8.0).collect(),
+            (DequantVariant::Lut, Codec::E2m1) => (0..16u8).map(e2m1_to_f32).collect(),
+            _ => Vec::new(),
+        };
+        let lut = table
+            .chunks(8)
+            .map(|c| c.iter().map(|v| format!("0x{:08x}u", v.to_bits())).collect::<Vec<_>>().join(", "))
+            .collect::<Vec<_>>()
+            .join(",\n    ");
+        FormatCtx {
+            name: format.name(),
+            codec: format.codec().name(),
+            variant: variant.name(),
+            scales: format.scale_layout().name(),
+            group: format.k_group(),
+            vec: format.elems_per_16b(),
+            asym: format.has_zero_points(),
+            lut,
+            lut_len: table.len(),
+        }
+    }
+}
+
+/// The variant `spec`'s kernels use on `arch`, or the typed error naming what `arch` lacks.
+pub fn resolve_dequant(spec: &MoeSpec, arch: Arch) -> Result<DequantVariant, CodegenError> {
+    spec.dequant_for(arch).map_err(|why| CodegenError::DequantUnavailable {
+        format: spec.weight_format(),
+        variant: spec.dequant().unwrap_or(spec.weight_format().default_dequant(arch)),
+        arch,
+        why,
+    })
+}
+
+/// Static shared memory the dequant include of `spec` on `arch` declares (the `lut` table), in
+/// bytes: it comes on top of the routing tables' dynamic shared memory.
+pub fn static_smem_bytes(spec: &MoeSpec, arch: Arch) -> u32 {
+    match resolve_dequant(spec, arch) {
+        Ok(DequantVariant::Lut) => 4 * if spec.weight_format().elem_bits() == 4 { 16 } else { 256 },
+        _ => 0,
+    }
 }
 
 /// Launch-shape constants of the warp-decode family. They are template constants, so they are
@@ -32,13 +108,15 @@ pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
 
 impl DecodeTiles {
     /// The default tiles for a spec: enough bytes in flight per warp to cover DRAM latency
-    /// without spilling.
+    /// without spilling. 4-bit rows are short (a w2 row of 768 is 24 vectors), so the down
+    /// kernel streams more expert rows at once to keep as many bytes in flight.
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let vpl_i = (spec.intermediate() / vec).div_ceil(32);
         let dn_chunk = vpl_i.min(4);
-        let dn_experts = (6 / dn_chunk).clamp(1, 2).min(spec.top_k());
+        let max_de = if vec >= 32 { 4 } else { 2 };
+        let dn_experts = (6 / dn_chunk).clamp(1, max_de).min(spec.top_k());
         DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, dn_experts }
     }
 
@@ -71,7 +149,7 @@ struct WarpDecodeCu {
     experts: u32,
     top_k: u32,
     activation: Activation,
-    format: WeightFormat,
+    fmt: FormatCtx,
     act_type: &'static str,
     warps: u32,
     gu_chunk: u32,
@@ -87,16 +165,34 @@ pub fn render(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Result<Kernel
     }
 }
 
+/// The module name: the family, the spec's id without its dequant suffix, and the variant used when
+/// the format has several. A spec naming its format's default and one naming nothing get the
+/// same name, and the same source (so one cache entry).
+fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) -> String {
+    let id = spec.id();
+    let base = match spec.dequant() {
+        Some(d) => id.strip_suffix(&format!("_{d}")).unwrap_or(&id).to_string(),
+        None => id,
+    };
+    if spec.weight_format().dequant_variants().len() > 1 {
+        format!("{family}_{base}_{variant}")
+    } else {
+        format!("{family}_{base}")
+    }
+}
+
 /// Render the warp-decode family with explicit tiles.
 pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
+    let variant = resolve_dequant(spec, arch)?;
+    let name = module_name(KernelFamily::WarpDecode, spec, variant);
     let t = WarpDecodeCu {
-        spec_id: spec.id(),
+        spec_id: name.clone(),
         hidden: spec.hidden(),
         intermediate: spec.intermediate(),
         experts: spec.experts(),
         top_k: spec.top_k(),
         activation: spec.activation(),
-        format: spec.weight_format(),
+        fmt: FormatCtx::new(spec.weight_format(), variant),
         act_type: spec.act_dtype().cuda_type(),
         warps: tiles.warps,
         gu_chunk: tiles.gu_chunk,
@@ -108,10 +204,53 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
-        name: format!("{}_{}", KernelFamily::WarpDecode, spec.id()),
+        name,
         source,
         entry_points: entry_points(KernelFamily::WarpDecode),
         block_threads: tiles.warps * 32,
+    })
+}
+
+#[derive(Template)]
+#[template(path = "dequant_probe.cu", escape = "none")]
+struct DequantProbeCu {
+    fmt: FormatCtx,
+    rows: usize,
+    cols: usize,
+    tensors: usize,
+}
+
+/// Threads per block of the dequant probe.
+pub const PROBE_THREADS: u32 = 256;
+
+/// A test kernel around one format's dequant include (the very include the kernel families
+/// render): `dequant_probe(w, scales, out)` decodes every 16-byte vector of `tensors` stacked
+/// `[rows, cols]` matrices and writes `out[r][c] = w * group_scale * row_scale` in f32, the product
+/// [`WeightFormat::dequantize_row`] computes. Launch with [`PROBE_THREADS`] threads per block.
+/// `variant` `None`: the format's default on `arch`.
+pub fn render_dequant_probe(
+    format: WeightFormat,
+    variant: Option<DequantVariant>,
+    arch: Arch,
+    tensors: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<KernelSource, CodegenError> {
+    let variant = variant.unwrap_or(format.default_dequant(arch));
+    format.dequant_on(variant, arch).map_err(|why| CodegenError::DequantUnavailable { format, variant, arch, why })?;
+    format.check_matrix(rows, cols).map_err(|e| CodegenError::Probe { format, why: e.to_string() })?;
+    if cols % format.elems_per_16b() as usize != 0 || tensors == 0 || rows == 0 {
+        return Err(CodegenError::Probe { format, why: format!("{tensors} x [{rows}, {cols}] is not whole vectors") });
+    }
+    let t = DequantProbeCu { fmt: FormatCtx::new(format, variant), rows, cols, tensors };
+    let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
+    Ok(KernelSource {
+        family: KernelFamily::WarpDecode,
+        arch,
+        name: format!("dequant_probe_{format}_{variant}_t{tensors}_r{rows}_c{cols}"),
+        source,
+        entry_points: vec!["dequant_probe".to_string()],
+        block_threads: PROBE_THREADS,
     })
 }
 
@@ -140,7 +279,9 @@ pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     4 * (e + 5 * pairs.min(e) + 2 * pairs + 1)
 }
 
-/// Every (family, format) variant for a geometry, as specs (used by `moe-jit check` and tests).
+/// Every (family, format) a geometry accepts, as specs with the format's default dequant variant
+/// (used by `moe-jit check` and tests). Formats whose vectors, groups or blocks do not divide the
+/// geometry are left out.
 pub fn variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> Vec<(MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for format in WeightFormat::ALL {
@@ -148,6 +289,24 @@ pub fn variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> Vec
         if let Ok(spec) = spec {
             for family in KernelFamily::ALL {
                 out.push((spec, family));
+            }
+        }
+    }
+    out
+}
+
+/// Every (family, format, dequant variant) a geometry accepts, as specs naming their variant.
+/// Some are unavailable on some archs: [`render`] refuses those with
+/// [`CodegenError::DequantUnavailable`].
+pub fn dequant_variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> Vec<(MoeSpec, KernelFamily)> {
+    let mut out = Vec::new();
+    for format in WeightFormat::ALL {
+        for &d in format.dequant_variants() {
+            let spec = MoeSpec::builder(hidden, intermediate, experts, top_k).weight_format(format).dequant(d).build();
+            if let Ok(spec) = spec {
+                for family in KernelFamily::ALL {
+                    out.push((spec, family));
+                }
             }
         }
     }
@@ -213,13 +372,123 @@ mod tests {
 
     #[test]
     fn every_reference_geometry_has_all_variants() {
-        for (_, h, i, e, k) in REFERENCE_GEOMETRIES {
+        for (name, h, i, e, k) in REFERENCE_GEOMETRIES {
             let v = variants(h, i, e, k);
-            assert_eq!(v.len(), WeightFormat::ALL.len() * KernelFamily::ALL.len());
+            // gpt-oss-20b's 2880 is no multiple of 128: no g128 formats, no 128x128 blocks.
+            let formats = if name == "gpt-oss-20b" { WeightFormat::ALL.len() - 4 } else { WeightFormat::ALL.len() };
+            assert_eq!(v.len(), formats * KernelFamily::ALL.len(), "{name}");
             for (spec, fam) in v {
-                render(&spec, fam, Arch::Sm100a).unwrap();
+                for arch in Arch::ALL {
+                    render(&spec, fam, arch).unwrap();
+                }
             }
         }
+    }
+
+    #[test]
+    fn every_format_and_variant_renders_or_names_what_the_arch_lacks() {
+        let v = dequant_variants(2048, 768, 128, 8);
+        let n: usize = WeightFormat::ALL.iter().map(|f| f.dequant_variants().len()).sum();
+        assert_eq!(v.len(), n);
+        let mut names = std::collections::HashSet::new();
+        for (spec, fam) in v {
+            for arch in Arch::ALL {
+                match render(&spec, fam, arch) {
+                    Ok(k) => {
+                        assert!(names.insert((k.name.clone(), arch)), "duplicate module name {}", k.name);
+                        let d = spec.dequant().unwrap();
+                        assert!(k.source.contains(&format!("dequant variant {d}")), "{}", k.name);
+                        assert_eq!(k.source.matches("constexpr int W_VEC").count(), 1);
+                        assert_eq!(k.source.contains("w_lut"), d == DequantVariant::Lut, "{}", k.name);
+                    }
+                    Err(e) => {
+                        assert_eq!(arch, Arch::Sm90a, "{e}");
+                        assert!(matches!(
+                            e,
+                            CodegenError::DequantUnavailable {
+                                variant: DequantVariant::Hardware,
+                                arch: Arch::Sm90a,
+                                ..
+                            }
+                        ));
+                        assert!(e.to_string().contains("sm_100a"), "{e}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn variant_is_in_the_source_and_the_name() {
+        let base = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Int4G128);
+        let bits = render(&base.build().unwrap(), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
+        assert!(bits.name.ends_with("int4_g128_bf16_silu_bits"), "{}", bits.name);
+        assert!(bits.source.contains("0x64006400u"));
+        let lut = render(&base.dequant(DequantVariant::Lut).build().unwrap(), KernelFamily::WarpDecode, Arch::Sm90a);
+        let lut = lut.unwrap();
+        assert!(lut.name.ends_with("int4_g128_bf16_silu_lut"), "{}", lut.name);
+        assert_ne!(lut.source, bits.source);
+        // The symmetric table folds the zero point: entry 0 is -8.0 (0xc1000000).
+        assert!(lut.source.contains("0xc1000000u"));
+        // Named default and implied default render the same source (one cache entry).
+        let named = render(&base.dequant(DequantVariant::Bits).build().unwrap(), KernelFamily::WarpDecode, Arch::Sm90a);
+        assert_eq!(named.unwrap().source, bits.source);
+        // fp8 keeps its hardware cvt path by default.
+        let fp8 = render(&qwen(WeightFormat::Fp8E4m3), KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
+        assert!(fp8.name.ends_with("fp8_e4m3_bf16_silu_hardware"), "{}", fp8.name);
+        assert!(fp8.source.contains("__nv_cvt_fp8x2_to_halfraw2"));
+    }
+
+    #[test]
+    fn hardware_fp4_is_a_typed_error_on_hopper_only() {
+        let spec = MoeSpec::builder(2880, 2880, 32, 4)
+            .weight_format(WeightFormat::Mxfp4)
+            .dequant(DequantVariant::Hardware)
+            .build()
+            .unwrap();
+        let e = render(&spec, KernelFamily::WarpDecode, Arch::Sm90a).unwrap_err();
+        assert_eq!(
+            e,
+            CodegenError::DequantUnavailable {
+                format: WeightFormat::Mxfp4,
+                variant: DequantVariant::Hardware,
+                arch: Arch::Sm90a,
+                why: "cvt.rn.f16x2.e2m1x2 (the hardware FP4 decode) needs sm_100a or sm_120a",
+            }
+        );
+        for arch in [Arch::Sm100a, Arch::Sm120a] {
+            assert!(render(&spec, KernelFamily::WarpDecode, arch).unwrap().source.contains("cvt.rn.f16x2.e2m1x2"));
+        }
+        // A variant the format lacks altogether is refused by the spec itself.
+        let e = MoeSpec::builder(2048, 768, 128, 8).dequant(DequantVariant::Lut).build().unwrap_err();
+        assert!(matches!(e, crate::spec::SpecError::DequantUnsupported { .. }), "{e}");
+    }
+
+    #[test]
+    fn probe_renders_every_format_and_variant() {
+        for f in WeightFormat::ALL {
+            for &d in f.dequant_variants() {
+                for arch in Arch::ALL {
+                    match render_dequant_probe(f, Some(d), arch, 2, 128, 256) {
+                        Ok(k) => {
+                            assert!(k.source.contains("dequant_probe("));
+                            assert!(k.source.contains("constexpr int P_K = 256;"));
+                        }
+                        Err(e) => assert!(matches!(e, CodegenError::DequantUnavailable { .. }), "{e}"),
+                    }
+                }
+            }
+        }
+        assert!(render_dequant_probe(WeightFormat::Fp8E4m3B128, None, Arch::Sm90a, 1, 64, 256).is_err());
+        assert!(render_dequant_probe(WeightFormat::Int8G128, None, Arch::Sm90a, 1, 64, 96).is_err());
+    }
+
+    #[test]
+    fn lut_is_static_shared_memory() {
+        let s = |f, d| MoeSpec::builder(2048, 768, 128, 8).weight_format(f).dequant(d).build().unwrap();
+        assert_eq!(static_smem_bytes(&s(WeightFormat::Nvfp4, DequantVariant::Lut), Arch::Sm90a), 64);
+        assert_eq!(static_smem_bytes(&s(WeightFormat::Int8G32, DequantVariant::Lut), Arch::Sm90a), 1024);
+        assert_eq!(static_smem_bytes(&s(WeightFormat::Int8G32, DequantVariant::Bits), Arch::Sm90a), 0);
     }
 
     #[test]

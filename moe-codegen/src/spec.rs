@@ -1,5 +1,6 @@
 //! The MoE layer's description, validated once at construction.
 
+use crate::dequant::DequantVariant;
 use crate::format::WeightFormat;
 use std::fmt;
 use std::str::FromStr;
@@ -24,6 +25,8 @@ pub enum SpecError {
     Unknown { what: &'static str, got: String, expected: &'static str },
     #[error("activation dtype {act} does not go with weight format {format}: {why}")]
     ActDtypeMismatch { act: ActDtype, format: WeightFormat, why: &'static str },
+    #[error("weight format {format} has no dequant variant `{variant}`: {why}")]
+    DequantUnsupported { format: WeightFormat, variant: DequantVariant, why: &'static str },
 }
 
 /// The gated activation applied between the up and down projections: `act(gate) * up`.
@@ -177,7 +180,12 @@ pub struct MoeSpec {
     activation: Activation,
     weight_format: WeightFormat,
     act_dtype: ActDtype,
+    /// `None`: the format's default on the arch rendered for ([`WeightFormat::default_dequant`]).
+    dequant: Option<DequantVariant>,
 }
+
+/// Why a reduction axis must be a multiple of the format's vector width.
+pub const VECTOR_WIDTH_WHY: &str = "the weight format's 16-byte vector width";
 
 impl MoeSpec {
     /// A spec with SiLU and the format's default activation dtype.
@@ -190,10 +198,12 @@ impl MoeSpec {
             activation: Activation::Silu,
             weight_format: WeightFormat::Bf16,
             act_dtype: None,
+            dequant: None,
         }
     }
 
-    /// Validate and build. `const` so that `#[moe_kernel]` runs the very same checks at compile time.
+    /// Validate and build, with the format's default dequant variant. `const` so that
+    /// `#[moe_kernel]` runs the very same checks at compile time.
     pub const fn new(
         hidden: u32,
         intermediate: u32,
@@ -202,6 +212,22 @@ impl MoeSpec {
         activation: Activation,
         weight_format: WeightFormat,
         act_dtype: ActDtype,
+    ) -> Result<MoeSpec, SpecError> {
+        MoeSpec::new_with_dequant(hidden, intermediate, experts, top_k, activation, weight_format, act_dtype, None)
+    }
+
+    /// [`MoeSpec::new`] naming the dequant variant (`None`: the format's default per arch). A variant
+    /// the format lacks altogether is refused here; one that only some archs lack, when rendering.
+    #[allow(clippy::too_many_arguments)]
+    pub const fn new_with_dequant(
+        hidden: u32,
+        intermediate: u32,
+        experts: u32,
+        top_k: u32,
+        activation: Activation,
+        weight_format: WeightFormat,
+        act_dtype: ActDtype,
+        dequant: Option<DequantVariant>,
     ) -> Result<MoeSpec, SpecError> {
         if hidden == 0 {
             return Err(SpecError::Zero { field: "hidden" });
@@ -232,7 +258,7 @@ impl MoeSpec {
                 field: "hidden",
                 value: hidden,
                 divisor: vec,
-                why: "the weight format's 16-byte vector width",
+                why: VECTOR_WIDTH_WHY,
             });
         }
         if intermediate % vec != 0 {
@@ -240,8 +266,60 @@ impl MoeSpec {
                 field: "intermediate",
                 value: intermediate,
                 divisor: vec,
-                why: "the weight format's 16-byte vector width",
+                why: VECTOR_WIDTH_WHY,
             });
+        }
+        // Scales cover whole groups (blocks) along K: hidden is w13's K, intermediate w2's.
+        let group = weight_format.k_group();
+        if let WeightFormat::Fp8E4m3B128 = weight_format {
+            // The block grid also runs down the rows: w2 has `hidden` rows per expert, w13 two
+            // halves of `intermediate`, and a block must not straddle the gate and up halves.
+            if hidden % 128 != 0 {
+                return Err(SpecError::NotDivisible {
+                    field: "hidden",
+                    value: hidden,
+                    divisor: 128,
+                    why: "fp8_e4m3_b128 scales 128x128 blocks: w13's K and w2's rows must hold whole blocks",
+                });
+            }
+            if intermediate % 128 != 0 {
+                return Err(SpecError::NotDivisible {
+                    field: "intermediate",
+                    value: intermediate,
+                    divisor: 128,
+                    why: "fp8_e4m3_b128 scales 128x128 blocks: w2's K must hold whole blocks and w13's gate and \
+                          up halves must not share one",
+                });
+            }
+        } else if group > 0 {
+            if hidden % group != 0 {
+                return Err(SpecError::NotDivisible {
+                    field: "hidden",
+                    value: hidden,
+                    divisor: group,
+                    why: "the weight format's scale group along K",
+                });
+            }
+            if intermediate % group != 0 {
+                return Err(SpecError::NotDivisible {
+                    field: "intermediate",
+                    value: intermediate,
+                    divisor: group,
+                    why: "the weight format's scale group along K",
+                });
+            }
+        }
+        if let Some(v) = dequant {
+            if !weight_format.has_dequant(v) {
+                return Err(SpecError::DequantUnsupported {
+                    format: weight_format,
+                    variant: v,
+                    why: match weight_format.dequant_on(v, Arch::Sm90a) {
+                        Err(why) => why,
+                        Ok(()) => "unavailable",
+                    },
+                });
+            }
         }
         if let WeightFormat::Fp16 = weight_format {
             if let ActDtype::Bf16 = act_dtype {
@@ -252,7 +330,7 @@ impl MoeSpec {
                 });
             }
         }
-        Ok(MoeSpec { hidden, intermediate, experts, top_k, activation, weight_format, act_dtype })
+        Ok(MoeSpec { hidden, intermediate, experts, top_k, activation, weight_format, act_dtype, dequant })
     }
 
     pub const fn hidden(&self) -> u32 {
@@ -276,6 +354,21 @@ impl MoeSpec {
     pub const fn act_dtype(&self) -> ActDtype {
         self.act_dtype
     }
+    /// The dequant variant the spec names; `None`: the format's default on each arch.
+    pub const fn dequant(&self) -> Option<DequantVariant> {
+        self.dequant
+    }
+    /// The variant the kernels for `arch` use (named or default), or why `arch` lacks the named one.
+    pub const fn dequant_for(&self, arch: Arch) -> Result<DequantVariant, &'static str> {
+        let v = match self.dequant {
+            Some(v) => v,
+            None => self.weight_format.default_dequant(arch),
+        };
+        match self.weight_format.dequant_on(v, arch) {
+            Ok(()) => Ok(v),
+            Err(why) => Err(why),
+        }
+    }
 
     /// Elements of `w13` (all experts).
     pub const fn w13_elems(&self) -> usize {
@@ -285,17 +378,19 @@ impl MoeSpec {
     pub const fn w2_elems(&self) -> usize {
         self.experts as usize * self.hidden as usize * self.intermediate as usize
     }
-    /// Bytes one expert's weights (w13 + w2, scales included) occupy.
+    /// Bytes one expert's weights (w13 + w2, every scale the kernels read included) occupy.
     pub fn expert_bytes(&self) -> usize {
         let f = self.weight_format;
         let (h, i) = (self.hidden as usize, self.intermediate as usize);
         f.bytes_for(2 * i, h) + f.bytes_for(h, i)
     }
 
-    /// A short, file-name-safe id of the spec, e.g. `h2048_i768_e128_k8_bf16_bf16_silu`.
+    /// A short, file-name-safe id of the spec, e.g. `h2048_i768_e128_k8_bf16_bf16_silu`; a named
+    /// dequant variant is appended (`..._silu_lut`).
     pub fn id(&self) -> String {
+        let dq = self.dequant.map_or(String::new(), |d| format!("_{d}"));
         format!(
-            "h{}_i{}_e{}_k{}_{}_{}_{}",
+            "h{}_i{}_e{}_k{}_{}_{}_{}{dq}",
             self.hidden,
             self.intermediate,
             self.experts,
@@ -317,6 +412,7 @@ pub struct MoeSpecBuilder {
     activation: Activation,
     weight_format: WeightFormat,
     act_dtype: Option<ActDtype>,
+    dequant: Option<DequantVariant>,
 }
 
 impl MoeSpecBuilder {
@@ -332,12 +428,26 @@ impl MoeSpecBuilder {
         self.act_dtype = Some(d);
         self
     }
+    /// Name the dequant variant (default: the format's, per arch).
+    pub const fn dequant(mut self, d: DequantVariant) -> Self {
+        self.dequant = Some(d);
+        self
+    }
     pub const fn build(self) -> Result<MoeSpec, SpecError> {
         let act = match self.act_dtype {
             Some(d) => d,
             None => self.weight_format.default_act_dtype(),
         };
-        MoeSpec::new(self.hidden, self.intermediate, self.experts, self.top_k, self.activation, self.weight_format, act)
+        MoeSpec::new_with_dequant(
+            self.hidden,
+            self.intermediate,
+            self.experts,
+            self.top_k,
+            self.activation,
+            self.weight_format,
+            act,
+            self.dequant,
+        )
     }
 }
 
@@ -361,6 +471,14 @@ mod tests {
     fn reference_geometries_are_valid_in_every_format() {
         for (_, h, i, e, k) in REFERENCE_GEOMETRIES {
             for f in WeightFormat::ALL {
+                // Scale groups (blocks) along K must divide both reduction axes: gpt-oss-20b's 2880
+                // takes groups of 32 and 64, not 128.
+                let g = f.k_group().max(1);
+                if h % g != 0 || i % g != 0 {
+                    let e = b(h, i, e, k).weight_format(f).build().unwrap_err();
+                    assert!(matches!(e, SpecError::NotDivisible { divisor, .. } if divisor == g), "{f}: {e}");
+                    continue;
+                }
                 let s = b(h, i, e, k).weight_format(f).build().unwrap();
                 assert_eq!((s.hidden(), s.intermediate(), s.experts(), s.top_k()), (h, i, e, k));
                 assert_eq!(s.act_dtype(), f.default_act_dtype());

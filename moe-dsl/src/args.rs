@@ -2,7 +2,8 @@
 //! argument it concerns. Names (formats, archs, ...) go through moe-codegen's `FromStr` impls, sizes
 //! through `MoeSpec::new`: the macro owns no list of names and no validation rule of its own.
 
-use moe_codegen::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, SpecError, WeightFormat};
+use moe_codegen::spec::VECTOR_WIDTH_WHY;
+use moe_codegen::{ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, SpecError, WeightFormat};
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use std::str::FromStr;
@@ -12,8 +13,8 @@ use syn::punctuated::Punctuated;
 use syn::{bracketed, token, Ident, LitInt, Token};
 
 /// Every key the attribute takes, in the order the docs list them.
-pub(crate) const KEYS: [&str; 9] =
-    ["hidden", "intermediate", "experts", "top_k", "format", "activation", "act_dtype", "archs", "families"];
+pub(crate) const KEYS: [&str; 10] =
+    ["hidden", "intermediate", "experts", "top_k", "format", "dequant", "activation", "act_dtype", "archs", "families"];
 const REQUIRED: [&str; 4] = ["hidden", "intermediate", "experts", "top_k"];
 
 /// The right-hand side of one argument: everything up to the next top-level comma.
@@ -221,6 +222,7 @@ fn list<T: FromStr<Err = SpecError> + PartialEq + std::fmt::Display>(arg: &Arg) 
 fn example(arg: &Arg) -> &'static str {
     match arg.key.unraw().to_string().as_str() {
         "format" => "bf16",
+        "dequant" => "bits",
         "activation" => "silu",
         "act_dtype" => "bf16",
         "archs" => "sm_90a, sm_100a",
@@ -266,6 +268,7 @@ impl Args {
         let mut format = Given::default(WeightFormat::Bf16);
         let mut activation = Given::default(Activation::Silu);
         let mut act_dtype: Option<Given<ActDtype>> = None;
+        let mut dequant: Option<Given<DequantVariant>> = None;
         let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
         let mut families = vec![Item { value: KernelFamily::WarpDecode, ident: None }];
 
@@ -288,6 +291,7 @@ impl Args {
                     int(arg).map(|v| sizes[slot] = Some(Given::of(arg, v)))
                 }
                 "format" => name(arg).map(|v| format = Given::of(arg, v)),
+                "dequant" => name(arg).map(|v| dequant = Some(Given::of(arg, v))),
                 "activation" => name(arg).map(|v| activation = Given::of(arg, v)),
                 "act_dtype" => name(arg).map(|v| act_dtype = Some(Given::of(arg, v))),
                 "archs" => list(arg).map(|v| archs = v),
@@ -320,7 +324,7 @@ impl Args {
             unreachable!("missing keys were reported above")
         };
         let act = act_dtype.as_ref().map_or(format.value.default_act_dtype(), |g| g.value);
-        let spec = MoeSpec::new(
+        let spec = MoeSpec::new_with_dequant(
             hidden.value,
             intermediate.value,
             experts.value,
@@ -328,6 +332,7 @@ impl Args {
             activation.value,
             format.value,
             act,
+            dequant.as_ref().map(|d| d.value),
         )
         .map_err(|e| {
             let field = |f: &str| match f {
@@ -338,10 +343,16 @@ impl Args {
             };
             match &e {
                 SpecError::Zero { field: f } | SpecError::TooLarge { field: f, .. } => field(f).error(&e),
-                SpecError::NotDivisible { field: f, divisor, .. } => field(f).error(format_args!(
-                    "{e}: with `format = {}` one 16-byte vector holds {divisor} elements",
-                    format.value
-                )),
+                SpecError::NotDivisible { field: f, divisor, why, .. } if *why == VECTOR_WIDTH_WHY => field(f).error(
+                    format_args!("{e}: with `format = {}` one 16-byte vector holds {divisor} elements", format.value),
+                ),
+                SpecError::NotDivisible { field: f, .. } => {
+                    field(f).error(format_args!("{e} (`format = {}`)", format.value))
+                }
+                SpecError::DequantUnsupported { .. } => match &dequant {
+                    Some(d) => d.error(&e),
+                    None => format.error(&e),
+                },
                 SpecError::TopKExceedsExperts { .. } => top_k.error(&e),
                 SpecError::ActDtypeMismatch { .. } => match &act_dtype {
                     Some(a) => a.error(&e),

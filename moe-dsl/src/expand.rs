@@ -41,12 +41,21 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     let activation = variant("Activation", spec.activation());
     let format = variant("WeightFormat", spec.weight_format());
     let act_dtype = variant("ActDtype", spec.act_dtype());
+    let dequant = match spec.dequant() {
+        Some(d) => {
+            let d = variant("DequantVariant", d);
+            quote!(::core::option::Option::Some(#d))
+        }
+        None => quote!(::core::option::Option::None),
+    };
     let (hidden, intermediate, experts, top_k) = (spec.hidden(), spec.intermediate(), spec.experts(), spec.top_k());
     let arch_values: Vec<_> = archs.iter().map(|a| variant("Arch", a.value)).collect();
     let family_values: Vec<_> = families.iter().map(|f| variant("KernelFamily", f.value)).collect();
 
+    let dequant_doc = spec.dequant().map_or(String::new(), |d| format!(" (dequant {d})"));
     let geometry = format!(
-        "hidden {hidden}, intermediate {intermediate}, {experts} experts, top-{top_k}, {} weights, {} activations, {}",
+        "hidden {hidden}, intermediate {intermediate}, {experts} experts, top-{top_k}, {} weights{dequant_doc}, {} \
+         activations, {}",
         spec.weight_format(),
         spec.act_dtype(),
         spec.activation()
@@ -127,8 +136,8 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         impl #ident {
             #[doc = #spec_doc]
             pub const SPEC: #cg::MoeSpec = {
-                let spec = #cg::MoeSpec::new(
-                    #hidden, #intermediate, #experts, #top_k, #activation, #format, #act_dtype,
+                let spec = #cg::MoeSpec::new_with_dequant(
+                    #hidden, #intermediate, #experts, #top_k, #activation, #format, #act_dtype, #dequant,
                 );
                 let value = match &spec {
                     ::core::result::Result::Ok(spec) => *spec,
@@ -187,7 +196,9 @@ fn render_all(c: &Checked) -> syn::Result<Vec<(KernelFamily, moe_codegen::Arch, 
         for arch in &c.archs {
             match render(&c.spec, family.value, arch.value) {
                 Ok(k) => out.push((k.family, k.arch, k.name, k.source)),
-                Err(e @ CodegenError::Unsupported { .. }) => return Err(arch.error(e)),
+                Err(e @ (CodegenError::Unsupported { .. } | CodegenError::DequantUnavailable { .. })) => {
+                    return Err(arch.error(e))
+                }
                 Err(e) => return Err(syn::Error::new(Span::call_site(), e)),
             }
         }

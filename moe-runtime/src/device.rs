@@ -70,6 +70,29 @@ impl Device {
         self.ctx.name().unwrap_or_else(|_| "unknown".into())
     }
 
+    /// Build into the disk cache every source it lacks, one NVRTC compile per core at a time, so
+    /// that the `load`s that follow only read the cache (test and benchmark setup: a module takes
+    /// seconds to compile).
+    pub fn prepare(&self, sources: &[KernelSource]) -> Result<()> {
+        let opts = CompileOptions::for_arch(toolkit()?, self.arch);
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(sources.len()).max(1);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    sc.spawn(|| -> Result<()> {
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(src) = sources.get(i) else { return Ok(()) };
+                            self.cache.get_or_compile(src, &opts)?;
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| w.join().expect("compile thread panicked"))
+        })
+    }
+
     /// The loaded module for `src`: from memory, else from the disk cache, else compiled.
     pub fn load(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
         if src.arch != self.arch {

@@ -5,7 +5,8 @@ use crate::error::{Result, RuntimeError};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use moe_codegen::{
-    render, routing_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
+    render, routing_smem_bytes, static_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec,
+    TOKEN_TILES,
 };
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -50,11 +51,13 @@ pub struct MoeLayer {
     stream: Arc<CudaStream>,
     sms: u32,
     max_smem: u32,
+    /// Shared memory the kernels declare statically (the dequant table of `lut`).
+    static_smem: u32,
     warps: u32,
     w13: CudaSlice<u8>,
-    w13_scales: CudaSlice<f32>,
+    w13_scales: CudaSlice<u8>,
     w2: CudaSlice<u8>,
-    w2_scales: CudaSlice<f32>,
+    w2_scales: CudaSlice<u8>,
     tiles: Vec<TileFns>,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
@@ -133,12 +136,13 @@ impl MoeLayer {
                 fused,
             });
         }
-        // Formats without scales still get a one-element buffer so every pointer is valid.
-        let nonempty = |v: &[f32]| if v.is_empty() { vec![1.0f32] } else { v.to_vec() };
+        // Formats without scales still get a small buffer so every pointer is valid.
+        let nonempty = |v: &[u8]| if v.is_empty() { vec![0u8; 16] } else { v.to_vec() };
         let layer = MoeLayer {
             spec,
             sms: device.sm_count(),
             max_smem: device.max_smem_optin(),
+            static_smem: static_smem_bytes(&spec, device.arch()),
             warps,
             w13: stream.clone_htod(&weights.w13)?,
             w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
@@ -215,7 +219,7 @@ impl MoeLayer {
                 got: T::DTYPE.to_string(),
             });
         }
-        if x.len() == 0 || x.len() % h != 0 {
+        if x.is_empty() || x.len() % h != 0 {
             return Err(RuntimeError::Shape {
                 what: "x",
                 expected: format!("[M, {h}] with M > 0"),
@@ -234,8 +238,8 @@ impl MoeLayer {
         expect("topk_weights", topk_weights.len(), m * k, format!("[{m}, {k}]"))?;
         expect("y", y.len(), m * h, format!("[{m}, {h}]"))?;
         let smem = routing_smem_bytes(&self.spec, m as u32);
-        if smem > self.max_smem {
-            return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
+        if smem + self.static_smem > self.max_smem {
+            return Err(RuntimeError::StepTooLarge { m, need: smem + self.static_smem, max: self.max_smem });
         }
         if self.validate_routing {
             self.check_ids(topk_ids)?;
@@ -245,7 +249,7 @@ impl MoeLayer {
         let tile = DecodeTiles::token_tile(m as u32);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
         for f in [&fns.gate_up, &fns.down, &fns.fused] {
-            if smem > 48 * 1024 {
+            if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,

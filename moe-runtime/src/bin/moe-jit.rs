@@ -1,7 +1,9 @@
 //! moe-jit: render and compile moeforge kernels without a GPU, and manage the kernel cache.
 
 use clap::{Parser, Subcommand};
-use moe_codegen::{render, variants, Arch, REFERENCE_GEOMETRIES};
+use moe_codegen::{
+    dequant_variants, render, variants, Arch, CodegenError, KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES,
+};
 use moe_runtime::jit::resource_report;
 use moe_runtime::{compile, toolkit::toolkit, CompileOptions, DiskCache};
 use std::process::ExitCode;
@@ -15,11 +17,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Render every supported (family, format) variant of the reference geometries and compile
-    /// each with NVRTC for the given archs.
+    /// Render and compile with NVRTC, for the given archs: every weight format with every dequant
+    /// variant on the Qwen3-30B-A3B geometry, and on the other reference geometries every format
+    /// they accept with its default variant. Variants an arch lacks are listed as skipped.
     Check {
         #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_100a,sm_120a")]
         arch: Vec<Arch>,
+        /// Only these formats (default: all).
+        #[arg(long, value_delimiter = ',')]
+        format: Vec<WeightFormat>,
+        /// Parallel NVRTC compiles (default: one per core).
+        #[arg(long)]
+        jobs: Option<usize>,
         /// Print the ptxas register / spill report of every entry point.
         #[arg(long)]
         resources: bool,
@@ -47,12 +56,39 @@ enum CacheOp {
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     match Cli::parse().cmd {
-        Cmd::Check { arch, resources, dump } => check(&arch, resources, dump.as_deref()),
+        Cmd::Check { arch, format, jobs, resources, dump } => {
+            let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+            check(&arch, &format, jobs.max(1), resources, dump.as_deref())
+        }
         Cmd::Cache { op } => cache(op),
     }
 }
 
-fn check(archs: &[Arch], resources: bool, dump: Option<&std::path::Path>) -> ExitCode {
+/// What `check` renders: (geometry, spec, family) in a stable order.
+fn check_list(formats: &[WeightFormat]) -> Vec<(&'static str, MoeSpec, KernelFamily)> {
+    let keep = |s: &MoeSpec| formats.is_empty() || formats.contains(&s.weight_format());
+    let mut out = Vec::new();
+    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
+        let specs = if geo == "qwen3-30b-a3b" { dequant_variants(h, i, e, k) } else { variants(h, i, e, k) };
+        out.extend(specs.into_iter().filter(|(s, _)| keep(s)).map(|(s, f)| (geo, s, f)));
+    }
+    out
+}
+
+/// One line of `check`'s output and whether it counts as compiled, failed or skipped.
+enum Outcome {
+    Ok(String),
+    Skipped(String),
+    Failed(String),
+}
+
+fn check(
+    archs: &[Arch],
+    formats: &[WeightFormat],
+    jobs: usize,
+    resources: bool,
+    dump: Option<&std::path::Path>,
+) -> ExitCode {
     let tk = match toolkit() {
         Ok(t) => t,
         Err(e) => {
@@ -61,47 +97,93 @@ fn check(archs: &[Arch], resources: bool, dump: Option<&std::path::Path>) -> Exi
         }
     };
     println!("NVRTC {}.{}, headers in {}", tk.nvrtc_version.0, tk.nvrtc_version.1, tk.include.display());
-    let (mut ok, mut failed) = (0, 0);
-    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
-        for (spec, family) in variants(h, i, e, k) {
-            for &arch in archs {
-                let t0 = std::time::Instant::now();
-                let res = render(&spec, family, arch)
-                    .map_err(moe_runtime::RuntimeError::from)
-                    .and_then(|src| compile(&src, &CompileOptions::for_arch(tk, arch)).map(|c| (src, c)));
-                match res {
-                    Ok((src, c)) => {
-                        ok += 1;
-                        println!(
-                            "ok    {geo:<14} {:<44} {arch:<8} {:>7} B cubin  {:>5} ms",
-                            src.name,
-                            c.cubin.len(),
-                            t0.elapsed().as_millis()
-                        );
-                        if let Some(dir) = dump {
-                            let base = dir.join(format!("{}.{arch}", src.name));
-                            let written = std::fs::create_dir_all(dir)
-                                .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cubin")), &c.cubin))
-                                .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cu")), &src.source));
-                            if let Err(e) = written {
-                                eprintln!("cannot write into {}: {e}", dir.display());
-                                return ExitCode::FAILURE;
-                            }
-                        }
-                        if resources {
-                            for (f, regs, spill, stack) in resource_report(&c.log) {
-                                println!("        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
-                            }
-                        }
+    let list: Vec<_> =
+        check_list(formats).into_iter().flat_map(|(g, s, f)| archs.iter().map(move |&a| (g, s, f, a))).collect();
+    if let Some(dir) = dump {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("cannot create {}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    let t_all = std::time::Instant::now();
+    let one = |&(geo, spec, family, arch): &(&str, MoeSpec, KernelFamily, Arch)| -> Outcome {
+        let t0 = std::time::Instant::now();
+        let src = match render(&spec, family, arch) {
+            Ok(src) => src,
+            Err(e @ CodegenError::DequantUnavailable { .. }) => {
+                return Outcome::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))
+            }
+            Err(e) => return Outcome::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id())),
+        };
+        match compile(&src, &CompileOptions::for_arch(tk, arch)) {
+            Ok(c) => {
+                let mut line = format!(
+                    "ok    {geo:<14} {:<56} {arch:<8} {:>7} B cubin  {:>5} ms",
+                    src.name,
+                    c.cubin.len(),
+                    t0.elapsed().as_millis()
+                );
+                if let Some(dir) = dump {
+                    let base = dir.join(format!("{}.{arch}", src.name));
+                    let written = std::fs::write(base.with_extension(format!("{arch}.cubin")), &c.cubin)
+                        .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cu")), &src.source));
+                    if let Err(e) = written {
+                        return Outcome::Failed(format!("FAIL  cannot write into {}: {e}", dir.display()));
                     }
-                    Err(err) => {
-                        failed += 1;
-                        println!("FAIL  {geo:<14} {} {family} {arch}\n{err}", spec.id());
+                }
+                if resources {
+                    for (f, regs, spill, stack) in resource_report(&c.log) {
+                        line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
                     }
+                }
+                Outcome::Ok(line)
+            }
+            Err(err) => Outcome::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{err}", src.name)),
+        }
+    };
+    // Compile on `jobs` threads; print in list order as results arrive.
+    let results: Vec<std::sync::Mutex<Option<Outcome>>> = list.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::Condvar::new();
+    let lock = std::sync::Mutex::new(());
+    let (mut ok, mut failed, mut skipped) = (0, 0, 0);
+    std::thread::scope(|sc| {
+        for _ in 0..jobs.min(list.len()) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(job) = list.get(i) else { break };
+                let r = one(job);
+                *results[i].lock().unwrap() = Some(r);
+                let _g = lock.lock().unwrap();
+                done.notify_all();
+            });
+        }
+        for slot in &results {
+            let mut g = lock.lock().unwrap();
+            let r = loop {
+                if let Some(r) = slot.lock().unwrap().take() {
+                    break r;
+                }
+                g = done.wait(g).unwrap();
+            };
+            drop(g);
+            match r {
+                Outcome::Ok(l) => {
+                    ok += 1;
+                    println!("{l}");
+                }
+                Outcome::Skipped(l) => {
+                    skipped += 1;
+                    println!("{l}");
+                }
+                Outcome::Failed(l) => {
+                    failed += 1;
+                    println!("{l}");
                 }
             }
         }
-    }
+    });
+    println!("{skipped} skipped (the arch lacks the variant); {} s on {jobs} threads", t_all.elapsed().as_secs());
     println!("{ok} variants compiled, {failed} failed");
     if failed == 0 {
         ExitCode::SUCCESS

@@ -1,0 +1,35 @@
+// Weight format {{ fmt.name }}: {{ fmt.codec }} codes, {{ fmt.scales }} scales, dequant variant {{ fmt.variant }}.
+constexpr int W_VEC = {{ fmt.vec }};
+{%- if fmt.scales == "none" %}
+{% include "scales_none.cuh" %}
+{%- else if fmt.scales == "row" %}
+{% include "scales_row.cuh" %}
+{%- else if fmt.scales == "block128" %}
+{% include "scales_block128.cuh" %}
+{%- else if fmt.scales == "e8m0" %}
+{% include "scales_e8m0.cuh" %}
+{%- else if fmt.scales == "f16" %}
+{% include "scales_f16.cuh" %}
+{%- else if fmt.scales == "f16_zero" %}
+{% include "scales_f16_zero.cuh" %}
+{%- else if fmt.scales == "nvfp4" %}
+{% include "scales_nvfp4.cuh" %}
+{%- endif %}
+{%- if fmt.variant == "lut" %}
+{% include "dequant_lut.cuh" %}
+{%- else %}
+__device__ __forceinline__ void dequant_setup() {}
+{%- endif %}
+{%- if fmt.codec == "bf16" %}
+{% include "dequant_bf16.cuh" %}
+{%- else if fmt.codec == "fp16" %}
+{% include "dequant_fp16.cuh" %}
+{%- else if fmt.codec == "e4m3" %}
+{% include "dequant_e4m3.cuh" %}
+{%- else if fmt.codec == "int8" %}
+{% include "dequant_int8.cuh" %}
+{%- else if fmt.codec == "uint4" %}
+{% include "dequant_uint4.cuh" %}
+{%- else if fmt.codec == "e2m1" %}
+{% include "dequant_e2m1.cuh" %}
+{%- endif %}

@@ -1,0 +1,59 @@
+// INT4 codes (unsigned nibbles, element 2j in the low nibble of byte j), 32 per vector, minus
+// {% if fmt.asym %}the group's zero point{% else %}8{% endif %}, decoded with {{ fmt.variant }}.
+__device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, float (&w)[W_VEC]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+{%- if fmt.asym %}
+    const int z = zero_point(ws);
+{%- else %}
+    (void)ws;
+    constexpr int z = 8;
+{%- endif %}
+{%- if fmt.variant == "bits" %}
+    // Magic number: nibble n as the low mantissa bits of an fp16 with exponent bits 0x6400 reads
+    // 1024 + n (or 1024 + 16 n one nibble up), exactly. In each 16-bit half, mask 0x000f keeps
+    // nibble 0 (elements 0 / 4 of the word), 0x00f0 nibble 1 (1 / 5); shifting the word by 8 brings
+    // nibbles 2 and 3 (2 / 6, 3 / 7) down. Then (1024 + n) - (1024 + z) and
+    // (1024 + 16 n) / 16 - (64 + z) are n - z, exactly, two elements per instruction.
+    const __half2 lo_sub = u32_as_h2((0x6400u | (unsigned)z) * 0x00010001u);           // 1024 + z
+    const __half2 hi_add = u32_as_h2((0xd400u + ((unsigned)z << 4)) * 0x00010001u);    // -(64 + z)
+    const __half2 sixteenth = u32_as_h2(0x2c002c00u);                                  // 1 / 16
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned x = words[i];
+        const unsigned t = x >> 8;
+        const float2 f04 = __half22float2(__hsub2(u32_as_h2((x & 0x000f000fu) | 0x64006400u), lo_sub));
+        const float2 f15 = __half22float2(__hfma2(u32_as_h2((x & 0x00f000f0u) | 0x64006400u), sixteenth, hi_add));
+        const float2 f26 = __half22float2(__hsub2(u32_as_h2((t & 0x000f000fu) | 0x64006400u), lo_sub));
+        const float2 f37 = __half22float2(__hfma2(u32_as_h2((t & 0x00f000f0u) | 0x64006400u), sixteenth, hi_add));
+        w[8 * i + 0] = f04.x;
+        w[8 * i + 4] = f04.y;
+        w[8 * i + 1] = f15.x;
+        w[8 * i + 5] = f15.y;
+        w[8 * i + 2] = f26.x;
+        w[8 * i + 6] = f26.y;
+        w[8 * i + 3] = f37.x;
+        w[8 * i + 7] = f37.y;
+    }
+{%- else if fmt.variant == "hardware" %}
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[8 * i + j] = __int2float_rn((int)((words[i] >> (4 * j)) & 15u) - z);
+    }
+{%- else %}
+{%- if fmt.asym %}
+    const float zf = (float)z;
+{%- endif %}
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+{%- if fmt.asym %}
+            w[8 * i + j] = w_lut[(words[i] >> (4 * j)) & 15u] - zf;
+{%- else %}
+            w[8 * i + j] = w_lut[(words[i] >> (4 * j)) & 15u];  // the table holds n - 8
+{%- endif %}
+        }
+    }
+{%- endif %}
+}

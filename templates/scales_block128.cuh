@@ -1,0 +1,15 @@
+// One fp32 scale per 128x128 block ([E * N / 128, K / 128] floats; N is a multiple of 128, so no
+// block straddles two experts). A 16-byte vector lies in one block: its scale is a group scale.
+constexpr int W_GROUPS = 1;
+constexpr bool W_GROUP_SCALED = true;
+struct WScale {
+    float s;
+};
+template <class M>
+__device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
+    const long i = (row / 128) * (M::K / 128) + (vec * W_VEC) / 128;
+    return WScale{ __ldg(reinterpret_cast<const float*>(scales) + i) };
+}
+__device__ __forceinline__ float group_scale(const WScale& ws, int) { return ws.s; }
+template <class M>
+__device__ __forceinline__ float row_scale(const void*, long) { return 1.0f; }

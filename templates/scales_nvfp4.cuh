@@ -1,0 +1,21 @@
+// NVFP4: [E] fp32 global scales (one per expert matrix), then one e4m3 scale per 16 elements
+// along K ([E * N, K / 16] bytes). A 32-element vector holds two groups; the global is the row scale.
+constexpr int W_GROUPS = W_VEC / 16;
+constexpr bool W_GROUP_SCALED = true;
+struct WScale {
+    unsigned short b;  // the vector's W_GROUPS e4m3 codes, group 0 in the low byte
+};
+template <class M>
+__device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
+    const unsigned char* body = reinterpret_cast<const unsigned char*>(scales) + 4 * M::E;
+    const long i = row * (M::K / 16) + vec * W_GROUPS;
+    return WScale{ __ldg(reinterpret_cast<const unsigned short*>(body + i)) };
+}
+__device__ __forceinline__ float group_scale(const WScale& ws, int g) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)((ws.b >> (8 * g)) & 0xffu), __NV_E4M3);
+    return __half2float(__half(h));
+}
+template <class M>
+__device__ __forceinline__ float row_scale(const void* scales, long row) {
+    return __ldg(reinterpret_cast<const float*>(scales) + row / M::N);
+}
