@@ -43,7 +43,8 @@ mod expand;
 /// | `intermediate` | integer (per expert) | required |
 /// | `experts` | integer | required |
 /// | `top_k` | integer | required |
-/// | `format` | `bf16`, `fp16`, `fp8_e4m3` | `bf16` |
+/// | `format` | `bf16`, `fp16`, `fp8_e4m3`, `fp8_e4m3_b128`, `mxfp8`, `int8`, `int8_g{32,64,128}`, `int4`, `int4_g{32,64,128}`, `int4_asym`, `int4_asym_g{32,64,128}`, `nvfp4`, `mxfp4` | `bf16` |
+/// | `dequant` | `lut`, `bits`, `hardware` | the format's default on each arch |
 /// | `activation` | `silu`, `gelu_tanh` | `silu` |
 /// | `act_dtype` | `bf16`, `fp16` | the format's (`fp16` for fp16 weights, else `bf16`) |
 /// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
@@ -52,8 +53,10 @@ mod expand;
 /// Names are parsed by moe-codegen's `FromStr` impls and the spec is built by the same
 /// `MoeSpec::new` the runtime uses, so the macro accepts exactly what the runtime accepts. Every
 /// error points at the argument it concerns: an unknown, duplicate or missing key, a zero size,
-/// `top_k > experts`, a size the format's 16-byte vector does not divide (`hidden = 2056` with
-/// `fp8_e4m3`), an unknown format, activation, dtype, arch or family.
+/// `top_k > experts`, a size the format's 16-byte vector or scale group does not divide
+/// (`hidden = 2056` with `fp8_e4m3`), an unknown format, dequant variant, activation, dtype, arch
+/// or family, a dequant variant the format lacks (at `dequant`) or a declared arch lacks (at the
+/// arch: `dequant = hardware` for FP4 on `sm_90a`).
 ///
 /// ```compile_fail
 /// # use moeforge::moe_kernel;

@@ -1,7 +1,7 @@
 //! The macro's generated items: values, defaults, and sources identical to a run-time `render`.
 
 use moeforge::codegen::render::entry_points;
-use moeforge::{moe_kernel, render, ActDtype, Activation, Arch, KernelFamily, MoeSpec, WeightFormat};
+use moeforge::{moe_kernel, render, ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, WeightFormat};
 
 /// Qwen3-30B-A3B.
 #[moe_kernel(
@@ -24,6 +24,25 @@ struct SmallFp16;
 
 #[moe_kernel(top_k = 4, experts = 32, intermediate = 2880, hidden = 2880, act_dtype = fp16, format = fp8_e4m3,)]
 pub(crate) struct GptOss;
+
+/// gpt-oss-20b as it ships: MXFP4, the variant left to the arch's default.
+#[moe_kernel(hidden = 2880, intermediate = 2880, experts = 32, top_k = 4, format = mxfp4)]
+struct GptOssMxfp4;
+
+/// A named dequant variant, Blackwell only (the hardware FP4 decode).
+#[moe_kernel(
+    hidden = 2048,
+    intermediate = 768,
+    experts = 128,
+    top_k = 8,
+    format = nvfp4,
+    dequant = hardware,
+    archs = [sm_100a, sm_120a]
+)]
+struct Qwen3Nvfp4Hw;
+
+#[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_asym_g128, dequant = lut)]
+struct Qwen3Awq;
 
 #[test]
 fn spec_holds_the_declared_values() {
@@ -48,6 +67,20 @@ fn spec_holds_the_declared_values() {
     assert_eq!(SmallFp16::ARCHS, &Arch::ALL, "archs default to all three");
 
     assert_eq!(GptOss::SPEC.id(), "h2880_i2880_e32_k4_fp8_e4m3_fp16_silu");
+
+    assert_eq!(GptOssMxfp4::SPEC.weight_format(), WeightFormat::Mxfp4);
+    assert_eq!(GptOssMxfp4::SPEC.dequant(), None);
+    assert_eq!(GptOssMxfp4::SPEC.dequant_for(Arch::Sm90a), Ok(DequantVariant::Bits));
+    assert_eq!(Qwen3Nvfp4Hw::SPEC.dequant(), Some(DequantVariant::Hardware));
+    assert_eq!(Qwen3Nvfp4Hw::SPEC.id(), "h2048_i768_e128_k8_nvfp4_bf16_silu_hardware");
+    assert_eq!(
+        Qwen3Awq::SPEC,
+        MoeSpec::builder(2048, 768, 128, 8)
+            .weight_format(WeightFormat::Int4AsymG128)
+            .dequant(DequantVariant::Lut)
+            .build()
+            .unwrap()
+    );
 }
 
 #[test]
@@ -78,6 +111,11 @@ fn macro_sources_equal_runtime_render() {
     check(&Olmoe::SPEC, Olmoe::SOURCES, Olmoe::kernel_source);
     check(&SmallFp16::SPEC, SmallFp16::SOURCES, SmallFp16::kernel_source);
     check(&GptOss::SPEC, GptOss::SOURCES, GptOss::kernel_source);
+    check(&GptOssMxfp4::SPEC, GptOssMxfp4::SOURCES, GptOssMxfp4::kernel_source);
+    check(&Qwen3Nvfp4Hw::SPEC, Qwen3Nvfp4Hw::SOURCES, Qwen3Nvfp4Hw::kernel_source);
+    check(&Qwen3Awq::SPEC, Qwen3Awq::SOURCES, Qwen3Awq::kernel_source);
+    assert!(Qwen3Nvfp4Hw::SOURCES.iter().all(|s| s.3.contains("cvt.rn.f16x2.e2m1x2")));
+    assert!(Qwen3Awq::SOURCES.iter().all(|s| s.3.contains("w_lut") && s.2.ends_with("_lut")));
 }
 
 #[test]
