@@ -1,33 +1,47 @@
 //! Decode latency of the whole MoE layer (gate_up + down) on the Qwen3-30B-A3B geometry.
 //!
 //! `cargo bench --bench decode` runs criterion; `cargo bench --bench decode -- --report [FILE]`
-//! prints a table and appends one JSON object per row to FILE (see benches/results/).
-//! Each timed unit is a CUDA-graph replay of forward over LAYERS copies of the weights, so no
-//! expert row is served from L2; the device-to-device copy bandwidth is measured in the same run.
+//! prints a table and appends one JSON object per row to FILE (see benches/results/): every
+//! weight format with every dequant variant the device's arch has (field `dequant`), the split
+//! kernels, plus the fused kernel for bf16 and fp8_e4m3. `--formats a,b` and `--dequant lut,bits`
+//! narrow the report. Bytes are the touched experts' packed weights plus every scale the kernels
+//! read for them, plus x, y and the routing.
+//! Each timed unit is a CUDA-graph replay of forward over enough copies of the weights (at least
+//! LAYERS, and 4x the L2 at M = 1) that no expert row is served from L2; the device-to-device copy
+//! bandwidth is measured in the same run.
 
+use moe_runtime::cudarc::driver::sys::CUdevice_attribute;
 use moe_runtime::cudarc::driver::sys::CUevent_flags;
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{capture, copy_gbps, time_graph};
-use moe_runtime::{Device, MoeLayer};
-use moeforge::codegen::{render_warp_decode, DecodeTiles, MoeSpec, WeightFormat};
+use moe_runtime::{ActElem, Device, MoeLayer};
+use moeforge::codegen::{render_warp_decode, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
 use std::sync::Arc;
 
 const MS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
-/// Weight copies cycled through: at M = 1 each step touches ~75 MB (bf16), 4 copies >= 4x L2.
+/// Weight copies cycled through at least: at M = 1 each step touches ~75 MB (bf16), 4 copies >= 4x
+/// L2. Smaller formats get more copies (`layer_copies`).
 const LAYERS: usize = 4;
 
 /// One step's device buffers: x, topk ids, topk weights, y.
-type StepBuffers = (CudaSlice<half::bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<half::bf16>);
+type StepBuffers<T> = (CudaSlice<T>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<T>);
 
 struct Case {
     graph: CudaGraph,
     /// Bytes one layer step must move: touched experts' weights and scales, x, y, routing.
     bytes_per_layer: f64,
-    _keep: Vec<StepBuffers>,
+    _keep: Box<dyn std::any::Any>,
 }
 
 fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
+    match spec.act_dtype() {
+        ActDtype::Bf16 => build_case_as::<half::bf16>(layers, spec, m),
+        ActDtype::Fp16 => build_case_as::<half::f16>(layers, spec, m),
+    }
+}
+
+fn build_case_as<T: ActElem + 'static>(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
     let s = layers[0].stream().clone();
     let mut keep = Vec::new();
     let mut bytes = 0f64;
@@ -39,13 +53,14 @@ fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
         uniq.dedup();
         let h = spec.hidden() as usize;
         bytes += (uniq.len() * spec.expert_bytes() + 2 * m * h * 2 + ids.len() * 8) as f64;
-        let xs: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        steps.push((
+        let xs: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+        let step: StepBuffers<T> = (
             s.clone_htod(&xs).unwrap(),
             s.clone_htod(&ids).unwrap(),
             s.clone_htod(&w).unwrap(),
-            s.alloc_zeros::<half::bf16>(m * h).unwrap(),
-        ));
+            s.clone_htod(&vec![T::default(); m * h]).unwrap(),
+        );
+        steps.push(step);
     }
     for l in layers {
         l.reserve(m).unwrap();
@@ -58,7 +73,7 @@ fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
     })
     .unwrap();
     keep.extend(steps);
-    Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: keep }
+    Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: Box::new(keep) }
 }
 
 fn today() -> String {
@@ -83,10 +98,18 @@ fn layers_with_tiles(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<Moe
     layers_with(dev, spec, tiles, true)
 }
 
+/// Copies of the weights to cycle through so that M = 1 steps touch 4x the L2 between visits.
+fn layer_copies(dev: &Device, spec: &MoeSpec) -> usize {
+    let l2 =
+        dev.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20) as usize;
+    let touched = spec.top_k() as usize * spec.expert_bytes();
+    (4 * l2).div_ceil(touched.max(1)).max(LAYERS)
+}
+
 fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> Vec<MoeLayer> {
     let w = random_weights(&spec, fresh_seed());
     let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
-    (0..LAYERS)
+    (0..layer_copies(dev, &spec))
         .map(|_| {
             let mut l = MoeLayer::with_source(dev, spec, src.clone(), &w).unwrap();
             l.set_validate_routing(false);
@@ -100,53 +123,129 @@ fn qwen(format: WeightFormat) -> MoeSpec {
     MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap()
 }
 
+/// One timed configuration of the report.
+struct Row {
+    format: WeightFormat,
+    dequant: DequantVariant,
+    kernel: &'static str,
+    m: usize,
+    us: f64,
+    pct: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn report_rows(
     dev: &Device,
     s: &Arc<CudaStream>,
-    format: WeightFormat,
+    spec: MoeSpec,
     fused: bool,
     copy: f64,
     date: &str,
     rows: &mut String,
+    table: &mut Vec<Row>,
 ) {
-    let spec = qwen(format);
+    let format = spec.weight_format();
+    let dequant = spec.dequant_for(dev.arch()).expect("only variants the arch has are reported");
     let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    let copies = layers.len();
     let variant = if fused { "fused" } else { "split" };
     for m in MS {
         let case = build_case(&layers, &spec, m);
-        let us = time_graph(s, &case.graph, 100).unwrap() / LAYERS as f64;
+        let us = time_graph(s, &case.graph, 100).unwrap() / copies as f64;
         let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
         let pct = 100.0 * gbps / copy;
-        println!("{:<10} {variant:<6} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name());
+        println!("{:<15} {:<9} {variant:<6} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name(), dequant.name());
         rows.push_str(&format!(
             "{{\"device\":\"{}\",\"family\":\"warp_decode\",\"variant\":\"{variant}\",\"format\":\"{}\",\
-             \"geometry\":\"qwen3-30b-a3b\",\"hidden\":2048,\"intermediate\":768,\"experts\":128,\"top_k\":8,\
-             \"m\":{m},\"median_us\":{us:.3},\"bytes\":{:.0},\"achieved_gbps\":{gbps:.1},\"copy_gbps\":{copy:.1},\
-             \"pct_of_copy\":{pct:.2},\"layers_rotated\":{LAYERS},\"date\":\"{date}\"}}\n",
+             \"dequant\":\"{}\",\"geometry\":\"qwen3-30b-a3b\",\"hidden\":2048,\"intermediate\":768,\"experts\":128,\
+             \"top_k\":8,\"m\":{m},\"median_us\":{us:.3},\"bytes\":{:.0},\"achieved_gbps\":{gbps:.1},\
+             \"copy_gbps\":{copy:.1},\"pct_of_copy\":{pct:.2},\"layers_rotated\":{copies},\"date\":\"{date}\"}}\n",
             dev.name(),
             format.name(),
+            dequant.name(),
             case.bytes_per_layer
         ));
+        table.push(Row { format, dequant, kernel: variant, m, us, pct });
     }
 }
 
-fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat]) {
+/// Every (format, variant) spec the report covers on `dev`, narrowed by the filters.
+fn report_specs(dev: &Device, formats: &[WeightFormat], dequants: &[DequantVariant]) -> Vec<MoeSpec> {
+    let mut out = Vec::new();
+    for f in WeightFormat::ALL.into_iter().filter(|f| formats.is_empty() || formats.contains(f)) {
+        for &d in f.dequant_variants().iter().filter(|d| dequants.is_empty() || dequants.contains(d)) {
+            let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(f).dequant(d).build().unwrap();
+            match spec.dequant_for(dev.arch()) {
+                Ok(_) => out.push(spec),
+                Err(why) => println!("{:<15} {:<9} skipped on {}: {why}", f.name(), d.name(), dev.arch()),
+            }
+        }
+    }
+    out
+}
+
+fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat], dequants: &[DequantVariant]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
     let date = today();
     println!("device: {}  copy bandwidth: {copy:.0} GB/s  date: {date}", dev.name());
-    println!("{:<10} {:<6} {:>3} {:>10} {:>10} {:>8}", "format", "kernel", "m", "median_us", "GB/s", "% copy");
+    let specs = report_specs(dev, formats, dequants);
+    // Compile every module up front, on every core.
+    let sources: Vec<_> =
+        specs.iter().map(|sp| render_warp_decode(sp, dev.arch(), DecodeTiles::for_spec(sp)).unwrap()).collect();
+    dev.prepare(&sources).unwrap();
+    println!(
+        "{:<15} {:<9} {:<6} {:>3} {:>10} {:>10} {:>8}",
+        "format", "dequant", "kernel", "m", "median_us", "GB/s", "% copy"
+    );
     let mut rows = String::new();
-    for &format in formats {
-        for fused in [false, true] {
-            report_rows(dev, &s, format, fused, copy, &date, &mut rows);
+    let mut table = Vec::new();
+    for &spec in &specs {
+        let f = spec.weight_format();
+        let with_fused = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
+        for fused in [false, true].into_iter().filter(|&fu| !fu || with_fused) {
+            report_rows(dev, &s, spec, fused, copy, &date, &mut rows, &mut table);
         }
     }
+    summary(&table);
     if let Some(path) = out {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
         f.write_all(rows.as_bytes()).unwrap();
         println!("appended {} rows to {path}", rows.lines().count());
+    }
+}
+
+/// The issue's bar at M = 1 (split kernels): 8-bit formats >= 65% and 4-bit >= 55% of the copy
+/// bandwidth, and the LUT-free variant at least as fast as the LUT one. Printed, not asserted.
+fn summary(table: &[Row]) {
+    println!("\nM = 1, split kernels: % of copy bandwidth per dequant variant (bar: 8-bit >= 65%, 4-bit >= 55%; bits <= lut in us)");
+    let mut formats: Vec<WeightFormat> = table.iter().map(|r| r.format).collect();
+    formats.dedup();
+    for f in formats {
+        let at = |d: DequantVariant| {
+            table.iter().find(|r| r.format == f && r.dequant == d && r.m == 1 && r.kernel == "split")
+        };
+        let mut line = format!("{:<15}", f.name());
+        for d in DequantVariant::ALL {
+            if let Some(r) = at(d) {
+                line += &format!("  {}: {:6.2} us {:5.1}%", d.name(), r.us, r.pct);
+            }
+        }
+        let bar = match f.elem_bits() {
+            8 => Some(65.0),
+            4 => Some(55.0),
+            _ => None,
+        };
+        let default = at(f.default_dequant(moeforge::codegen::Arch::Sm90a)).or_else(|| at(DequantVariant::Bits));
+        if let (Some(bar), Some(r)) = (bar, default) {
+            line +=
+                &format!("  [default {}: {}]", r.dequant.name(), if r.pct >= bar { "meets bar" } else { "BELOW bar" });
+        }
+        if let (Some(b), Some(l)) = (at(DequantVariant::Bits), at(DequantVariant::Lut)) {
+            line += if b.us <= l.us { "  [bits <= lut]" } else { "  [bits SLOWER than lut]" };
+        }
+        println!("{line}");
     }
 }
 
@@ -230,7 +329,16 @@ fn main() {
         profile(&dev, format, args[i + 2].parse().unwrap());
     } else if let Some(i) = args.iter().position(|a| a == "--report") {
         let out = args.get(i + 1).filter(|a| !a.starts_with("--")).map(String::as_str);
-        report(&dev, out, &[WeightFormat::Bf16, WeightFormat::Fp8E4m3]);
+        let list = |flag: &str| -> Vec<String> {
+            args.iter()
+                .position(|a| a == flag)
+                .and_then(|j| args.get(j + 1))
+                .map(|v| v.split(',').map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        let formats: Vec<WeightFormat> = list("--formats").iter().map(|f| f.parse().unwrap()).collect();
+        let dequants: Vec<DequantVariant> = list("--dequant").iter().map(|d| d.parse().unwrap()).collect();
+        report(&dev, out, &formats, &dequants);
     } else {
         criterion_bench(&dev);
     }

@@ -584,51 +584,69 @@ impl WeightFormat {
         let rb = self.data_bytes(1, cols);
         let d = &data[r * rb..(r + 1) * rb];
         let f32_at = |i: usize| f32::from_le_bytes(scales[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-        let f16_at = |i: usize| f16::from_le_bytes([scales[2 * i], scales[2 * i + 1]]).to_f32();
-        let code = |c: usize| -> f32 {
-            match self.codec() {
-                Codec::Bf16 => half::bf16::from_le_bytes([d[2 * c], d[2 * c + 1]]).to_f32(),
-                Codec::Fp16 => f16::from_le_bytes([d[2 * c], d[2 * c + 1]]).to_f32(),
-                Codec::E4m3 => e4m3_to_f32(d[c]),
-                Codec::Int8 => d[c] as i8 as f32,
-                Codec::Uint4 => ((d[c / 2] >> (4 * (c % 2))) & 15) as f32,
-                Codec::E2m1 => e2m1_to_f32((d[c / 2] >> (4 * (c % 2))) & 15),
+        // Codes (minus the symmetric INT4 zero point) first, one codec match per row.
+        static E4M3: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+        let mut v: Vec<f32> = match self.codec() {
+            Codec::Bf16 => d.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Codec::Fp16 => d.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Codec::E4m3 => {
+                let t = E4M3.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)));
+                d.iter().map(|&b| t[b as usize]).collect()
+            }
+            Codec::Int8 => d.iter().map(|&b| b as i8 as f32).collect(),
+            Codec::Uint4 => {
+                let zero = if self.has_zero_points() { 0.0 } else { 8.0 };
+                d.iter().flat_map(|&b| [(b & 15) as f32 - zero, (b >> 4) as f32 - zero]).collect()
+            }
+            Codec::E2m1 => d.iter().flat_map(|&b| [e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)]).collect(),
+        };
+        // Then ((code - zero) * group_scale) * row_scale, in that order.
+        let grouped = |v: &mut [f32], g: usize, scale: &dyn Fn(usize) -> (f32, f32), rs: f32| {
+            for (gi, chunk) in v.chunks_mut(g).enumerate() {
+                let (gs, zero) = scale(gi);
+                chunk.iter_mut().for_each(|x| *x = (*x - zero) * gs * rs);
             }
         };
-        let per_tensor = rows / tensors.max(1);
-        (0..cols)
-            .map(|c| {
-                let (v, gs, rs) = match self.scale_layout() {
-                    ScaleLayout::None => (code(c), 1.0, 1.0),
-                    ScaleLayout::RowF32 => {
-                        let v = if self.codec() == Codec::Uint4 { code(c) - 8.0 } else { code(c) };
-                        (v, 1.0, f32_at(r))
-                    }
-                    ScaleLayout::Block128F32 => (code(c), f32_at((r / 128) * cols.div_ceil(128) + c / 128), 1.0),
-                    ScaleLayout::E8m0 { group } => {
-                        let g = group as usize;
-                        (code(c), e8m0_to_f32(scales[r * (cols / g) + c / g]), 1.0)
-                    }
-                    ScaleLayout::GroupF16 { group } => {
-                        let g = group as usize;
-                        let v = if self.codec() == Codec::Uint4 { code(c) - 8.0 } else { code(c) };
-                        (v, f16_at(r * (cols / g) + c / g), 1.0)
-                    }
-                    ScaleLayout::GroupF16Zero { group } => {
-                        let g = if group == 0 { cols } else { group as usize };
-                        let i = r * (cols / g) + c / g;
-                        let rec = u32::from_le_bytes(scales[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-                        let s = f16::from_bits(rec as u16).to_f32();
-                        (code(c) - ((rec >> 16) & 0xff) as f32, s, 1.0)
-                    }
-                    ScaleLayout::Nvfp4 => {
-                        let body = 4 * tensors;
-                        (code(c), e4m3_to_f32(scales[body + r * (cols / 16) + c / 16]), f32_at(r / per_tensor))
-                    }
+        match self.scale_layout() {
+            ScaleLayout::None => {}
+            ScaleLayout::RowF32 => {
+                let rs = f32_at(r);
+                v.iter_mut().for_each(|x| *x = *x * 1.0 * rs);
+            }
+            ScaleLayout::Block128F32 => {
+                let base = (r / 128) * cols.div_ceil(128);
+                grouped(&mut v, 128, &|gi| (f32_at(base + gi), 0.0), 1.0);
+            }
+            ScaleLayout::E8m0 { group } => {
+                let (g, base) = (group as usize, r * (cols / group as usize));
+                grouped(&mut v, g, &|gi| (e8m0_to_f32(scales[base + gi]), 0.0), 1.0);
+            }
+            ScaleLayout::GroupF16 { group } => {
+                let (g, base) = (group as usize, r * (cols / group as usize));
+                grouped(
+                    &mut v,
+                    g,
+                    &|gi| (f16::from_le_bytes([scales[2 * (base + gi)], scales[2 * (base + gi) + 1]]).to_f32(), 0.0),
+                    1.0,
+                );
+            }
+            ScaleLayout::GroupF16Zero { group } => {
+                let g = if group == 0 { cols } else { group as usize };
+                let base = r * (cols / g);
+                let rec = |gi: usize| {
+                    let i = 4 * (base + gi);
+                    let rec = u32::from_le_bytes(scales[i..i + 4].try_into().expect("4 bytes"));
+                    (f16::from_bits(rec as u16).to_f32(), ((rec >> 16) & 0xff) as f32)
                 };
-                v * gs * rs
-            })
-            .collect()
+                grouped(&mut v, g, &rec, 1.0);
+            }
+            ScaleLayout::Nvfp4 => {
+                let body = 4 * tensors + r * (cols / 16);
+                let rs = f32_at(r / (rows / tensors.max(1)));
+                grouped(&mut v, 16, &|gi| (e4m3_to_f32(scales[body + gi]), 0.0), rs);
+            }
+        }
+        v
     }
 }
 

@@ -30,7 +30,31 @@ pub fn e4m3_from_f32(v: f32) -> u8 {
         return 0x7f;
     }
     let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
-    sign | nearest_code(v.abs(), 0x7e, e4m3_to_f32)
+    let a = v.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    if a < 2f32.powi(-6) {
+        // Subnormal codes step by 2^-9; code 8 is the smallest normal, 2^-6.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Normal: round the f32 mantissa to 3 bits, ties to even; a carry bumps the exponent.
+    let bits = a.to_bits();
+    let e = (bits >> 23) as i32 - 127 + 7;
+    let m = bits & 0x7f_ffff;
+    let q = (m + 0x7_ffff + ((m >> 20) & 1)) >> 20;
+    sign | ((e as u32) << 3).wrapping_add(q) as u8
+}
+
+/// [`e4m3_from_f32`] by search over the decoded codes (the tests' oracle).
+pub fn e4m3_from_f32_search(v: f32) -> u8 {
+    if v.is_nan() {
+        return 0x7f;
+    }
+    static VALUES: std::sync::OnceLock<[f32; 0x7f]> = std::sync::OnceLock::new();
+    let values = VALUES.get_or_init(|| std::array::from_fn(|c| e4m3_to_f32(c as u8)));
+    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+    sign | nearest_code(v.abs(), values)
 }
 
 /// The eight e2m1 magnitudes, by the low three bits of the code (`e e m`).
@@ -49,29 +73,43 @@ pub fn e2m1_to_f32(n: u8) -> f32 {
 /// Encode to e2m1 (a nibble): round to nearest, ties to even, saturating at ±6.
 pub fn e2m1_from_f32(v: f32) -> u8 {
     let sign = if v.is_sign_negative() { 8u8 } else { 0 };
-    sign | nearest_code(v.abs(), 7, |c| E2M1_VALUES[c as usize])
+    let a = v.abs();
+    // Midpoints between neighbours; ties go to the even code.
+    let code = if a <= 0.25 {
+        0
+    } else if a < 0.75 {
+        1
+    } else if a <= 1.25 {
+        2
+    } else if a < 1.75 {
+        3
+    } else if a <= 2.5 {
+        4
+    } else if a < 3.5 {
+        5
+    } else if a <= 5.0 {
+        6
+    } else {
+        7
+    };
+    sign | code
 }
 
-/// The code in `0..=max_code` nearest to `a >= 0` for a decoder that is increasing on those codes;
-/// ties go to the even code (an even mantissa), values past the top saturate.
-fn nearest_code(a: f32, max_code: u8, decode: impl Fn(u8) -> f32) -> u8 {
-    if a >= decode(max_code) {
-        return max_code;
+/// The code (index into the increasing `values`) nearest to `a >= 0`; ties go to the even code
+/// (an even mantissa), values past the top saturate.
+fn nearest_code(a: f32, values: &[f32]) -> u8 {
+    let top = values.len() - 1;
+    if a >= values[top] {
+        return top as u8;
     }
-    let (mut lo, mut hi) = (0u8, max_code);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if decode(mid) <= a {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    let (dl, dh) = (a - decode(lo), decode(hi) - a);
+    // The first value above `a`, and the one below it.
+    let hi = values.partition_point(|&v| v <= a);
+    let lo = hi - 1;
+    let (dl, dh) = (a - values[lo], values[hi] - a);
     if dl < dh || (dl == dh && lo & 1 == 0) {
-        lo
+        lo as u8
     } else {
-        hi
+        hi as u8
     }
 }
 
@@ -108,8 +146,14 @@ pub fn e8m0_for_amax(amax: f32, emax: i32) -> u8 {
 }
 
 /// Round to the nearest integer, ties to even (the rounding of every integer quantizer here).
+/// Adding and subtracting 1.5 * 2^23 rounds in the FPU's default mode, without a libm call.
 pub fn rne(v: f32) -> f32 {
-    v.round_ties_even()
+    const C: f32 = 12_582_912.0;
+    if v.abs() < 4_194_304.0 {
+        (v + C) - C
+    } else {
+        v.round_ties_even()
+    }
 }
 
 #[cfg(test)]
@@ -144,6 +188,24 @@ mod tests {
     }
 
     #[test]
+    fn e4m3_bit_rounding_agrees_with_search() {
+        let mut x = 0x1234_5678u32;
+        for i in 0..200_000u32 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            // Every binade from 2^-12 to 2^10, plus exact midpoints between codes.
+            let v = if i % 4 == 0 {
+                let c = (x % 0x7e) as u8;
+                (e4m3_to_f32(c) + e4m3_to_f32(c + 1)) / 2.0
+            } else {
+                f32::from_bits((x & 0x807f_ffff) | ((115 + (x >> 8) % 22) << 23))
+            };
+            assert_eq!(e4m3_from_f32(v), e4m3_from_f32_search(v), "{v:e}");
+        }
+    }
+
+    #[test]
     fn e2m1_roundtrips_and_rounds_to_even() {
         for n in 0u8..16 {
             assert_eq!(e2m1_from_f32(e2m1_to_f32(n)), n, "nibble {n}");
@@ -154,6 +216,20 @@ mod tests {
         assert_eq!(e2m1_from_f32(5.0), 6); // tie 4 / 6 -> code 6 (4.0)
         assert_eq!(e2m1_from_f32(-100.0), 0xf);
         assert_eq!(e2m1_to_f32(0xf), -6.0);
+    }
+
+    #[test]
+    fn e2m1_and_rne_agree_with_their_definitions() {
+        for i in 0..=1400 {
+            let a = i as f32 / 200.0;
+            assert_eq!(e2m1_from_f32(a), nearest_code(a, &E2M1_VALUES), "{a}");
+            assert_eq!(e2m1_from_f32(-a), 8 | nearest_code(a, &E2M1_VALUES), "-{a}");
+            let v = (i as f32 - 700.0) / 4.0;
+            assert_eq!(rne(v), v.round_ties_even(), "{v}");
+        }
+        assert_eq!(rne(-0.5), 0.0);
+        assert_eq!(rne(2.5), 2.0);
+        assert_eq!(rne(1e9 + 0.5), 1e9);
     }
 
     #[test]

@@ -8,39 +8,118 @@ use moe_codegen::MoeSpec;
 /// activation dtype); `ids` / `weights` are `[M, k]`. Rows are dequantized only for the experts
 /// the step touches. Runs on every core.
 pub fn moe_forward(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    moe_forward_rows(spec, |e, r| w.w13_row(spec, e, r), |e, r| w.w2_row(spec, e, r), x, ids, weights)
+}
+
+/// [`moe_forward`] on f32 weights in the spec's layout (`w13 [E, 2I, H]`, `w2 [E, H, I]`), e.g. the
+/// original weights a quantized layer approximates.
+pub fn moe_forward_f32(spec: &MoeSpec, w13: &[f32], w2: &[f32], x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    let (h, i) = (spec.hidden() as usize, spec.intermediate() as usize);
+    let w13_row = |e: usize, r: usize| w13[(e * 2 * i + r) * h..(e * 2 * i + r + 1) * h].to_vec();
+    let w2_row = |e: usize, r: usize| w2[(e * h + r) * i..(e * h + r + 1) * i].to_vec();
+    moe_forward_rows(spec, w13_row, w2_row, x, ids, weights)
+}
+
+/// [`moe_forward`] with the weights given row by row: `w13_row(e, r)` (`r < 2I`) and `w2_row(e, r)`
+/// (`r < H`) as f32.
+pub fn moe_forward_rows<A, B>(
+    spec: &MoeSpec,
+    w13_row: A,
+    w2_row: B,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+) -> Vec<f64>
+where
+    A: Fn(usize, usize) -> Vec<f32> + Sync,
+    B: Fn(usize, usize) -> Vec<f32> + Sync,
+{
     let (h, i, k) = (spec.hidden() as usize, spec.intermediate() as usize, spec.top_k() as usize);
     let m = x.len() / h;
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    // One task per (token, slot) pair: the expert's contribution, unweighted.
-    let pairs: Vec<(usize, usize)> = (0..m).flat_map(|t| (0..k).map(move |s| (t, s))).collect();
-    let mut contrib: Vec<Vec<f64>> = vec![Vec::new(); pairs.len()];
-    let chunk = pairs.len().div_ceil(threads).max(1);
-    std::thread::scope(|sc| {
-        for (ps, out) in pairs.chunks(chunk).zip(contrib.chunks_mut(chunk)) {
-            sc.spawn(move || {
-                for (&(t, s), o) in ps.iter().zip(out.iter_mut()) {
-                    let e = ids[t * k + s] as usize;
-                    let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
-                    let mid: Vec<f64> = (0..i)
-                        .map(|n| {
-                            let g = dot(&w.w13_row(spec, e, n), &xt);
-                            let u = dot(&w.w13_row(spec, e, i + n), &xt);
-                            spec.activation().eval(g) * u
-                        })
-                        .collect();
-                    *o = (0..h).map(|r| dot(&w.w2_row(spec, e, r), &mid)).collect();
-                }
-            });
+    // Pairs p = t * k + s grouped by expert, so each expert row is produced (dequantized) once
+    // per step however many tokens the expert serves.
+    let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for (p, &e) in ids.iter().enumerate().take(m * k) {
+        by_expert.entry(e as usize).or_default().push(p);
+    }
+    let experts: Vec<(usize, Vec<usize>)> = by_expert.into_iter().collect();
+    let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    const BLOCK: usize = 64;
+    // mid[p][n] = act(gate_n . x_t) * (up_n . x_t), jobs of BLOCK neurons of one expert.
+    let jobs: Vec<(usize, usize)> =
+        (0..experts.len()).flat_map(|j| (0..i).step_by(BLOCK).map(move |n0| (j, n0))).collect();
+    let parts = parallel(&jobs, |&(j, n0)| {
+        let (e, ps) = (&experts[j].0, &experts[j].1);
+        let n1 = (n0 + BLOCK).min(i);
+        let mut out = vec![0f64; ps.len() * (n1 - n0)];
+        for n in n0..n1 {
+            let (g, u) = (w13_row(*e, n), w13_row(*e, i + n));
+            for (q, &p) in ps.iter().enumerate() {
+                let xt = &xs[(p / k) * h..(p / k + 1) * h];
+                out[q * (n1 - n0) + n - n0] = spec.activation().eval(dot(&g, xt)) * dot(&u, xt);
+            }
         }
+        out
+    });
+    let mut mid = vec![0f64; m * k * i];
+    for (&(j, n0), part) in jobs.iter().zip(&parts) {
+        let n1 = (n0 + BLOCK).min(i);
+        for (q, &p) in experts[j].1.iter().enumerate() {
+            mid[p * i + n0..p * i + n1].copy_from_slice(&part[q * (n1 - n0)..(q + 1) * (n1 - n0)]);
+        }
+    }
+    // y[t] += weight[p] * (w2 . mid[p]), jobs of BLOCK output rows of one expert.
+    let jobs: Vec<(usize, usize)> =
+        (0..experts.len()).flat_map(|j| (0..h).step_by(BLOCK).map(move |r0| (j, r0))).collect();
+    let parts = parallel(&jobs, |&(j, r0)| {
+        let (e, ps) = (&experts[j].0, &experts[j].1);
+        let r1 = (r0 + BLOCK).min(h);
+        let mut out = vec![0f64; ps.len() * (r1 - r0)];
+        for r in r0..r1 {
+            let row = w2_row(*e, r);
+            for (q, &p) in ps.iter().enumerate() {
+                out[q * (r1 - r0) + r - r0] = dot(&row, &mid[p * i..(p + 1) * i]);
+            }
+        }
+        out
     });
     let mut y = vec![0f64; m * h];
-    for (p, &(t, s)) in pairs.iter().enumerate() {
-        let r = weights[t * k + s] as f64;
-        for (yo, c) in y[t * h..(t + 1) * h].iter_mut().zip(&contrib[p]) {
-            *yo += r * c;
+    for (&(j, r0), part) in jobs.iter().zip(&parts) {
+        let r1 = (r0 + BLOCK).min(h);
+        for (q, &p) in experts[j].1.iter().enumerate() {
+            let (t, wt) = (p / k, weights[p] as f64);
+            for (yo, c) in y[t * h + r0..t * h + r1].iter_mut().zip(&part[q * (r1 - r0)..(q + 1) * (r1 - r0)]) {
+                *yo += wt * c;
+            }
         }
     }
     y
+}
+
+/// `f` over every job on every core, results in job order.
+fn parallel<J: Sync, T: Send>(jobs: &[J], f: impl Fn(&J) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(jobs.len()).max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<T>> = (0..jobs.len()).map(|_| None).collect();
+    let done: Vec<Vec<(usize, T)>> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(job) = jobs.get(j) else { return mine };
+                        mine.push((j, f(job)));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().expect("reference thread panicked")).collect()
+    });
+    for (j, t) in done.into_iter().flatten() {
+        out[j] = Some(t);
+    }
+    out.into_iter().map(|t| t.expect("every job ran")).collect()
 }
 
 fn dot(w: &[f32], x: &[f64]) -> f64 {
