@@ -67,7 +67,11 @@ pub struct MoeLayer {
     ready: CudaSlice<i32>,
     validate_routing: bool,
     fused: bool,
+    max_token_tile: u32,
 }
+
+/// Token-tile cap used unless `set_max_token_tile` says otherwise.
+pub const DEFAULT_MAX_TOKEN_TILE: u32 = 8;
 
 /// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
 /// kernel in the stream (it may start before that one finishes and waits in `griddepcontrol.wait`).
@@ -155,6 +159,7 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             // Measured on the H100 (benches/results/h100-decode.json): the split pair is faster.
             fused: false,
+            max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             stream,
         };
         layer.stream.synchronize()?;
@@ -180,6 +185,20 @@ impl MoeLayer {
     /// function; on the H100 the split pair measured faster (see benches/results).
     pub fn set_fused(&mut self, on: bool) {
         self.fused = on;
+    }
+
+    /// The largest token tile (tokens served per pass over a weight row) forward may pick, one of
+    /// 1, 2, 4, 8. Larger tiles re-read fewer rows from L2 but need more registers per warp.
+    pub fn set_max_token_tile(&mut self, tile: u32) -> Result<()> {
+        if !TOKEN_TILES.contains(&tile) {
+            return Err(RuntimeError::Shape {
+                what: "max token tile",
+                expected: format!("one of {TOKEN_TILES:?}"),
+                got: tile.to_string(),
+            });
+        }
+        self.max_token_tile = tile;
+        Ok(())
     }
 
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
@@ -246,7 +265,7 @@ impl MoeLayer {
         }
         self.reserve(m)?;
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
-        let tile = DecodeTiles::token_tile(m as u32);
+        let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
         for f in [&fns.gate_up, &fns.down, &fns.fused] {
             if smem + self.static_smem > 48 * 1024 {

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: everything CI checks, on a machine with or without a GPU.
+# Installs what it needs on a fresh machine (pinned NVRTC + CUDA headers into .cuda/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-cuda.sh
+export CARGO_TERM_COLOR=never
+echo "== format and lints"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== tests (GPU tests are #[ignore]d here: run scripts/gpu-tests.sh on a GPU machine)"
+cargo test --workspace
+echo "== every kernel variant compiles with NVRTC for sm_90a, sm_100a, sm_120a"
+cargo run --release -q -p moe-runtime --bin moe-jit -- check --arch sm_90a,sm_100a,sm_120a
+echo "== downstream crate (depends on moeforge by path, as a crates.io user would)"
+cargo run -q --manifest-path examples/downstream/Cargo.toml
+echo "== all checks passed"
