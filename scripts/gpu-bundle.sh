@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the GPU test, benchmark and example binaries here (release) and gathers them, stripped,
+# with scripts/gpu-run.sh into gpu-bundle/ (git-ignored): copy that folder to a GPU machine that
+# has no Rust toolchain and run `bash gpu-bundle/run.sh` there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-cuda.sh >/dev/null
+rm -rf gpu-bundle && mkdir -p gpu-bundle
+bin() { # newest executable cargo reported for a target
+  cargo "$@" --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])'
+}
+for t in gpu_decode gpu_formats; do
+  cp "$(bin test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
+done
+cp "$(bin bench --bench decode --no-run | tail -1)" gpu-bundle/decode
+cp "$(bin build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
+cargo build --release -q -p moe-runtime --bin moe-jit && cp target/release/moe-jit gpu-bundle/
+strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh
+du -sh gpu-bundle
