@@ -18,14 +18,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Render and compile with NVRTC, for the given archs: every weight format with every dequant
-    /// variant on the Qwen3-30B-A3B geometry, and on the other reference geometries every format
-    /// they accept with its default variant. Variants an arch lacks are listed as skipped.
+    /// variant on the Qwen3-30B-A3B geometry, and bf16, fp16, fp8_e4m3 and mxfp4 (default
+    /// variants) on the other reference geometries. Variants an arch lacks are listed as skipped.
     Check {
         #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_100a,sm_120a")]
         arch: Vec<Arch>,
         /// Only these formats (default: all).
         #[arg(long, value_delimiter = ',')]
         format: Vec<WeightFormat>,
+        /// Every format the other geometries accept too, not only bf16, fp16, fp8_e4m3, mxfp4.
+        #[arg(long)]
+        all_geometries: bool,
         /// Parallel NVRTC compiles (default: one per core).
         #[arg(long)]
         jobs: Option<usize>,
@@ -56,20 +59,32 @@ enum CacheOp {
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     match Cli::parse().cmd {
-        Cmd::Check { arch, format, jobs, resources, dump } => {
+        Cmd::Check { arch, format, all_geometries, jobs, resources, dump } => {
             let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-            check(&arch, &format, jobs.max(1), resources, dump.as_deref())
+            check(&arch, &check_list(&format, all_geometries), jobs.max(1), resources, dump.as_deref())
         }
         Cmd::Cache { op } => cache(op),
     }
 }
 
+/// Formats `check` compiles on the geometries other than Qwen3-30B-A3B (default variants): the
+/// 16-bit and fp8 paths as before quantized formats, and gpt-oss's MXFP4. The other formats differ
+/// from these only in the dequant include, which the Qwen3 geometry covers in every variant.
+const OTHER_GEOMETRY_FORMATS: [WeightFormat; 4] =
+    [WeightFormat::Bf16, WeightFormat::Fp16, WeightFormat::Fp8E4m3, WeightFormat::Mxfp4];
+
 /// What `check` renders: (geometry, spec, family) in a stable order.
-fn check_list(formats: &[WeightFormat]) -> Vec<(&'static str, MoeSpec, KernelFamily)> {
+fn check_list(formats: &[WeightFormat], all_geometries: bool) -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let keep = |s: &MoeSpec| formats.is_empty() || formats.contains(&s.weight_format());
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
-        let specs = if geo == "qwen3-30b-a3b" { dequant_variants(h, i, e, k) } else { variants(h, i, e, k) };
+        let specs = if geo == "qwen3-30b-a3b" {
+            dequant_variants(h, i, e, k)
+        } else {
+            let mut v = variants(h, i, e, k);
+            v.retain(|(s, _)| all_geometries || OTHER_GEOMETRY_FORMATS.contains(&s.weight_format()));
+            v
+        };
         out.extend(specs.into_iter().filter(|(s, _)| keep(s)).map(|(s, f)| (geo, s, f)));
     }
     out
@@ -84,7 +99,7 @@ enum Outcome {
 
 fn check(
     archs: &[Arch],
-    formats: &[WeightFormat],
+    list: &[(&'static str, MoeSpec, KernelFamily)],
     jobs: usize,
     resources: bool,
     dump: Option<&std::path::Path>,
@@ -97,8 +112,7 @@ fn check(
         }
     };
     println!("NVRTC {}.{}, headers in {}", tk.nvrtc_version.0, tk.nvrtc_version.1, tk.include.display());
-    let list: Vec<_> =
-        check_list(formats).into_iter().flat_map(|(g, s, f)| archs.iter().map(move |&a| (g, s, f, a))).collect();
+    let list: Vec<_> = list.iter().flat_map(|&(g, s, f)| archs.iter().map(move |&a| (g, s, f, a))).collect();
     if let Some(dir) = dump {
         if let Err(e) = std::fs::create_dir_all(dir) {
             eprintln!("cannot create {}: {e}", dir.display());
