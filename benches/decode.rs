@@ -138,7 +138,7 @@ fn report_rows(
     dev: &Device,
     s: &Arc<CudaStream>,
     spec: MoeSpec,
-    fused: bool,
+    (fused, tile_cap): (bool, u32),
     copy: f64,
     date: &str,
     rows: &mut String,
@@ -146,15 +146,26 @@ fn report_rows(
 ) {
     let format = spec.weight_format();
     let dequant = spec.dequant_for(dev.arch()).expect("only variants the arch has are reported");
-    let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    let mut layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    for l in &mut layers {
+        l.set_max_token_tile(tile_cap).unwrap();
+    }
     let copies = layers.len();
-    let variant = if fused { "fused" } else { "split" };
+    let variant = match (fused, tile_cap) {
+        (true, _) => "fused",
+        (false, 8) => "split",
+        (false, _) => "split_cap4",
+    };
     for m in MS {
         let case = build_case(&layers, &spec, m);
         let us = time_graph(s, &case.graph, 100).unwrap() / copies as f64;
         let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
         let pct = 100.0 * gbps / copy;
-        println!("{:<15} {:<9} {variant:<6} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%", format.name(), dequant.name());
+        println!(
+            "{:<15} {:<9} {variant:<11} {m:>3} {us:>10.2} {gbps:>10.0} {pct:>7.1}%",
+            format.name(),
+            dequant.name()
+        );
         rows.push_str(&format!(
             "{{\"device\":\"{}\",\"family\":\"warp_decode\",\"variant\":\"{variant}\",\"format\":\"{}\",\
              \"dequant\":\"{}\",\"geometry\":\"qwen3-30b-a3b\",\"hidden\":2048,\"intermediate\":768,\"experts\":128,\
@@ -202,9 +213,10 @@ fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat], dequants: &
     let mut table = Vec::new();
     for &spec in &specs {
         let f = spec.weight_format();
-        let with_fused = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
-        for fused in [false, true].into_iter().filter(|&fu| !fu || with_fused) {
-            report_rows(dev, &s, spec, fused, copy, &date, &mut rows, &mut table);
+        // The fused kernel and the smaller token-tile cap are measured on bf16 and fp8 only.
+        let more = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
+        for v in [(false, 8), (false, 4), (true, 8)].into_iter().filter(|&v| v == (false, 8) || more) {
+            report_rows(dev, &s, spec, v, copy, &date, &mut rows, &mut table);
         }
     }
     summary(&table);
