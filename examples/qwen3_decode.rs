@@ -78,6 +78,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Timing: LAYERS copies of the weights, one forward each, captured in one graph.
     let layers: Vec<MoeLayer> = (0..LAYERS).map(|_| MoeLayer::load(&dev, spec, &weights)).collect::<Result<_, _>>()?;
+    for l in &layers {
+        l.reserve(args.m)?; // nothing may allocate inside the capture
+    }
     let mut ys: Vec<_> = (0..LAYERS).map(|_| s.alloc_zeros::<half::bf16>(xs.len())).collect::<Result<_, _>>()?;
     let graph = capture(&s, || {
         for (l, y) in layers.iter().zip(ys.iter_mut()) {

@@ -29,6 +29,8 @@ pub enum RuntimeError {
     Shape { what: &'static str, expected: String, got: String },
     #[error("routing holds {count} expert id(s) outside [0, {experts}); first bad at pair {first_pair}: {first_id}")]
     ExpertIdOutOfRange { count: usize, experts: u32, first_pair: usize, first_id: i32 },
+    #[error("a step of {m} tokens needs more scratch than reserved: call `reserve({m})` before capturing a graph")]
+    NotReserved { m: usize },
     #[error("step of {m} tokens needs {need} bytes of shared memory for routing; the device allows {max}")]
     StepTooLarge { m: usize, need: u32, max: u32 },
 }

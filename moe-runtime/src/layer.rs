@@ -70,8 +70,11 @@ pub struct MoeLayer {
     max_token_tile: u32,
 }
 
-/// Token-tile cap used unless `set_max_token_tile` says otherwise.
-pub const DEFAULT_MAX_TOKEN_TILE: u32 = 8;
+/// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
+/// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
+/// 8-token kernels need about 150 registers and halve the resident warps; with 128 experts and
+/// top-8 an expert rarely serves more than 4 tokens of a decode step anyway.
+pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
 
 /// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
 /// kernel in the stream (it may start before that one finishes and waits in `griddepcontrol.wait`).
@@ -207,6 +210,12 @@ impl MoeLayer {
         let need = max_tokens * self.spec.top_k() as usize * self.spec.intermediate() as usize;
         let mut mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         if mid.len() < need {
+            // Growing means a sync and an allocation, which would invalidate a graph capture.
+            let capturing = self.stream.capture_status()?
+                != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            if capturing {
+                return Err(RuntimeError::NotReserved { m: max_tokens });
+            }
             self.stream.synchronize()?;
             *mid = self.stream.alloc_zeros::<f32>(need)?;
         }

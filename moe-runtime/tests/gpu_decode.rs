@@ -149,6 +149,14 @@ fn capture_and_replay(layer: &MoeLayer, w: &HostWeights, fused: bool) {
     let (x, ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
     let mut st = upload::<half::bf16>(layer, &x, &ids, &rw);
     let s = layer.stream().clone();
+    // A step larger than reserved is refused inside a capture rather than allocating there.
+    let big = 128; // tokens: more than this layer reserved (4)
+    let (bx, bids, bw) = random_step(&spec, big, 0.0, fresh_seed());
+    let mut bst = upload::<half::bf16>(layer, &bx, &bids, &bw);
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let refused = layer.forward(&bst.x, &bst.ids, &bst.w, &mut bst.y);
+    let _ = s.end_capture(CUgraphInstantiate_flags(0));
+    assert!(matches!(refused, Err(RuntimeError::NotReserved { m }) if m == big), "{refused:?}");
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
     layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
     let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured a graph");
