@@ -56,7 +56,8 @@ fn corrupted_and_truncated_entries_are_rebuilt() {
     let cache = DiskCache::new(dir.path());
     let (good, _) = cache.get_or_compile(&small_source(), &opts()).unwrap();
     let path = cache.path_of(&cache_key(&small_source(), &opts()));
-    let damage: [(&str, fn(&mut Vec<u8>)); 3] = [
+    type Damage = fn(&mut Vec<u8>);
+    let damage: [(&str, Damage); 3] = [
         ("flipped byte", |d| {
             let n = d.len() - 100;
             d[n] ^= 0x40;
