@@ -5,14 +5,18 @@
 
 pub mod dequant;
 pub mod format;
+pub mod grouped;
 pub mod numerics;
 pub mod render;
+pub mod router;
 pub mod spec;
 
 pub use dequant::DequantVariant;
 pub use format::{Codec, Packed, QuantError, ScaleLayout, WeightFormat};
+pub use grouped::{grouped_support, render_grouped, GemmTiles, Mma};
 pub use render::{
-    dequant_variants, render, render_dequant_probe, render_warp_decode, routing_smem_bytes, static_smem_bytes,
-    variants, CodegenError, DecodeTiles, KernelSource, TOKEN_TILES,
+    dequant_variants, family_supports, render, render_dequant_probe, render_warp_decode, routing_smem_bytes,
+    static_smem_bytes, variants, CodegenError, DecodeTiles, KernelSource, TOKEN_TILES,
 };
+pub use router::{GroupLimited, Router};
 pub use spec::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, MoeSpecBuilder, SpecError, REFERENCE_GEOMETRIES};

@@ -2,6 +2,7 @@
 
 use crate::dequant::DequantVariant;
 use crate::format::{Codec, WeightFormat};
+use crate::grouped;
 use crate::numerics::{e2m1_to_f32, e4m3_to_f32};
 use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
 use askama::Template;
@@ -162,6 +163,7 @@ struct WarpDecodeCu {
 pub fn render(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Result<KernelSource, CodegenError> {
     match family {
         KernelFamily::WarpDecode => render_warp_decode(spec, arch, DecodeTiles::for_spec(spec)),
+        KernelFamily::GroupedGemm => grouped::render_grouped(spec, arch, grouped::GemmTiles::for_spec(spec, arch)),
     }
 }
 
@@ -259,6 +261,7 @@ pub fn render_dequant_probe(
 pub fn block_threads(spec: &MoeSpec, family: KernelFamily) -> u32 {
     match family {
         KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).warps * 32,
+        KernelFamily::GroupedGemm => grouped::GEMM_THREADS,
     }
 }
 
@@ -269,6 +272,7 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
         KernelFamily::WarpDecode => {
             TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "down", "fused"].map(|k| format!("moe_{k}_t{mt}"))).collect()
         }
+        KernelFamily::GroupedGemm => grouped::entry_points(),
     }
 }
 
@@ -287,12 +291,18 @@ pub fn variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32) -> Vec
     for format in WeightFormat::ALL {
         let spec = MoeSpec::builder(hidden, intermediate, experts, top_k).weight_format(format).build();
         if let Ok(spec) = spec {
-            for family in KernelFamily::ALL {
-                out.push((spec, family));
-            }
+            out.extend(KernelFamily::ALL.into_iter().filter(|&f| family_supports(f, &spec)).map(|f| (spec, f)));
         }
     }
     out
+}
+
+/// Whether `family` can be rendered for `spec` at all (on some arch).
+pub fn family_supports(family: KernelFamily, spec: &MoeSpec) -> bool {
+    match family {
+        KernelFamily::WarpDecode => true,
+        KernelFamily::GroupedGemm => grouped::grouped_support(spec).is_ok(),
+    }
 }
 
 /// Every (family, format, dequant variant) a geometry accepts, as specs naming their variant.
@@ -304,9 +314,8 @@ pub fn dequant_variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32
         for &d in format.dequant_variants() {
             let spec = MoeSpec::builder(hidden, intermediate, experts, top_k).weight_format(format).dequant(d).build();
             if let Ok(spec) = spec {
-                for family in KernelFamily::ALL {
-                    out.push((spec, family));
-                }
+                // The grouped family does not dequantize: its variants are the decode family's.
+                out.push((spec, KernelFamily::WarpDecode));
             }
         }
     }
@@ -376,7 +385,9 @@ mod tests {
             let v = variants(h, i, e, k);
             // gpt-oss-20b's 2880 is no multiple of 128: no g128 formats, no 128x128 blocks.
             let formats = if name == "gpt-oss-20b" { WeightFormat::ALL.len() - 4 } else { WeightFormat::ALL.len() };
-            assert_eq!(v.len(), formats * KernelFamily::ALL.len(), "{name}");
+            // The grouped family takes bf16, fp16 and (where K holds whole 128-byte tiles) fp8.
+            let grouped = if name == "gpt-oss-20b" { 2 } else { 4 };
+            assert_eq!(v.len(), formats + grouped, "{name}");
             for (spec, fam) in v {
                 for arch in Arch::ALL {
                     render(&spec, fam, arch).unwrap();

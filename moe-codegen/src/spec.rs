@@ -2,6 +2,7 @@
 
 use crate::dequant::DequantVariant;
 use crate::format::WeightFormat;
+use crate::router::Router;
 use std::fmt;
 use std::str::FromStr;
 
@@ -25,6 +26,8 @@ pub enum SpecError {
     Unknown { what: &'static str, got: String, expected: &'static str },
     #[error("activation dtype {act} does not go with weight format {format}: {why}")]
     ActDtypeMismatch { act: ActDtype, format: WeightFormat, why: &'static str },
+    #[error("router: {why}")]
+    Router { why: String },
     #[error("weight format {format} has no dequant variant `{variant}`: {why}")]
     DequantUnsupported { format: WeightFormat, variant: DequantVariant, why: &'static str },
 }
@@ -127,13 +130,17 @@ impl Arch {
 pub enum KernelFamily {
     /// Output-centric decode: one warp per output element, two kernels (gate_up, down).
     WarpDecode,
+    /// Prefill: route, align tokens into expert-contiguous tiles, grouped tensor-core GEMMs
+    /// (SwiGLU fused into the first, routing weights and the combine into the second).
+    GroupedGemm,
 }
 
 impl KernelFamily {
-    pub const ALL: [KernelFamily; 1] = [KernelFamily::WarpDecode];
+    pub const ALL: [KernelFamily; 2] = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
     pub const fn name(self) -> &'static str {
         match self {
             KernelFamily::WarpDecode => "warp_decode",
+            KernelFamily::GroupedGemm => "grouped_gemm",
         }
     }
 }
@@ -160,7 +167,7 @@ macro_rules! named_enum_parse {
 named_enum_parse!(Activation, "activation", "silu, gelu_tanh");
 named_enum_parse!(ActDtype, "activation dtype", "bf16, fp16");
 named_enum_parse!(Arch, "arch", "sm_90a, sm_100a, sm_120a");
-named_enum_parse!(KernelFamily, "kernel family", "warp_decode");
+named_enum_parse!(KernelFamily, "kernel family", "warp_decode, grouped_gemm");
 
 /// The geometry and number formats of one MoE layer. Construct with [`MoeSpec::new`] or
 /// [`MoeSpec::builder`]; a value of this type is always valid.
@@ -182,6 +189,9 @@ pub struct MoeSpec {
     act_dtype: ActDtype,
     /// `None`: the format's default on the arch rendered for ([`WeightFormat::default_dequant`]).
     dequant: Option<DequantVariant>,
+    /// How router logits become routing (only the prefill family routes on the device).
+    #[serde(default)]
+    router: Router,
 }
 
 /// Why a reduction axis must be a multiple of the format's vector width.
@@ -330,7 +340,17 @@ impl MoeSpec {
                 });
             }
         }
-        Ok(MoeSpec { hidden, intermediate, experts, top_k, activation, weight_format, act_dtype, dequant })
+        Ok(MoeSpec {
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+            activation,
+            weight_format,
+            act_dtype,
+            dequant,
+            router: Router::Softmax { renormalize: true },
+        })
     }
 
     pub const fn hidden(&self) -> u32 {
@@ -355,6 +375,17 @@ impl MoeSpec {
         self.act_dtype
     }
     /// The dequant variant the spec names; `None`: the format's default on each arch.
+    pub const fn router(&self) -> Router {
+        self.router
+    }
+
+    /// This spec with another router, checked against its experts and top-k.
+    pub fn with_router(mut self, router: Router) -> Result<MoeSpec, SpecError> {
+        router.validate(self.experts, self.top_k)?;
+        self.router = router;
+        Ok(self)
+    }
+
     pub const fn dequant(&self) -> Option<DequantVariant> {
         self.dequant
     }
@@ -389,8 +420,10 @@ impl MoeSpec {
     /// dequant variant is appended (`..._silu_lut`).
     pub fn id(&self) -> String {
         let dq = self.dequant.map_or(String::new(), |d| format!("_{d}"));
+        // The default router is left out so ids (and module names) of decode specs stay short.
+        let router = if self.router == Router::default() { String::new() } else { format!("_{}", self.router) };
         format!(
-            "h{}_i{}_e{}_k{}_{}_{}_{}{dq}",
+            "h{}_i{}_e{}_k{}_{}_{}_{}{router}{dq}",
             self.hidden,
             self.intermediate,
             self.experts,

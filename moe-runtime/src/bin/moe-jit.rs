@@ -79,7 +79,9 @@ fn check_list(formats: &[WeightFormat], all_geometries: bool) -> Vec<(&'static s
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
         let specs = if geo == "qwen3-30b-a3b" {
-            dequant_variants(h, i, e, k)
+            let mut v = dequant_variants(h, i, e, k);
+            v.extend(variants(h, i, e, k).into_iter().filter(|(_, f)| *f == KernelFamily::GroupedGemm));
+            v
         } else {
             let mut v = variants(h, i, e, k);
             v.retain(|(s, _)| all_geometries || OTHER_GEOMETRY_FORMATS.contains(&s.weight_format()));

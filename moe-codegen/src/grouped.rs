@@ -1,0 +1,292 @@
+//! The grouped-GEMM (prefill) family: tile configuration, support checks and rendering.
+
+use crate::format::WeightFormat;
+use crate::render::{CodegenError, KernelSource};
+use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
+use askama::Template;
+
+/// Which tensor-core instruction the tiles are computed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mma {
+    /// Hopper's asynchronous warpgroup MMA, operands straight from shared memory (`sm_90a` only).
+    Wgmma,
+    /// Warp-level `mma.sync` fed by `ldmatrix` (every arch; the path sm_100a and sm_120a use).
+    MmaSync,
+}
+
+/// Tile shape and pipeline depth of the grouped GEMMs: template constants, so part of the source
+/// and of the JIT cache key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmTiles {
+    /// Rows (token, slot pairs) per tile; each expert's rows are padded to a multiple of it.
+    pub bm: u32,
+    /// GEMM1 columns per tile (half gate, half up rows of w13).
+    pub bn1: u32,
+    /// GEMM2 columns per tile (hidden outputs).
+    pub bn2: u32,
+    /// Shared-memory stages (k-tiles of 128 bytes in flight).
+    pub stages: u32,
+    pub mma: Mma,
+}
+
+/// Threads per block of the GEMM kernels.
+pub const GEMM_THREADS: u32 = 256;
+/// Threads per block of the router (one warp per token).
+pub const ROUTE_THREADS: u32 = 128;
+/// Threads of the single alignment block.
+pub const ALIGN_THREADS: u32 = 1024;
+/// Threads per block of the element-wise kernels (quantize, combine, convert).
+pub const ELEMWISE_THREADS: u32 = 256;
+/// Bytes of K per pipeline stage and row.
+const BK_BYTES: u32 = 128;
+
+impl GemmTiles {
+    /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
+    /// divides (else 64), four stages; wgmma on sm_90a.
+    pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
+        let bn = |n: u32| if n % 128 == 0 { 128 } else { 64 };
+        GemmTiles {
+            bm: 128,
+            bn1: if spec.intermediate() % 64 == 0 { 128 } else { 64 },
+            bn2: bn(spec.hidden()),
+            stages: 4,
+            mma: if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync },
+        }
+    }
+
+    /// Dynamic shared memory of a GEMM kernel with `bn` columns.
+    pub fn smem_bytes(&self, bn: u32) -> u32 {
+        self.stages * (self.bm + bn) * BK_BYTES + 1024
+    }
+
+    /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to whole tiles,
+    /// so at most `pairs / bm` full ones plus one partial per non-empty expert.
+    pub fn max_tiles(&self, pairs: usize, experts: u32) -> usize {
+        pairs.min(pairs / self.bm as usize + pairs.min(experts as usize))
+    }
+}
+
+/// Why a spec cannot use the grouped family, if it cannot.
+pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
+    let f = spec.weight_format();
+    let elem = match f {
+        WeightFormat::Bf16 | WeightFormat::Fp16 => 2,
+        WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128 => 1,
+        _ => return Err(format!("{f} weights (bf16, fp16, fp8_e4m3 and fp8_e4m3_b128 are supported)")),
+    };
+    if spec.activation() != Activation::Silu && spec.activation() != Activation::GeluTanh {
+        return Err(format!("activation {}", spec.activation()));
+    }
+    let (h, i) = (spec.hidden(), spec.intermediate());
+    if h * elem % BK_BYTES != 0 || i * elem % BK_BYTES != 0 {
+        return Err(format!("hidden = {h} and intermediate = {i} must hold whole {BK_BYTES}-byte k-tiles"));
+    }
+    if i % 32 != 0 || h % 64 != 0 {
+        return Err(format!("intermediate = {i} must be a multiple of 32 and hidden = {h} of 64 (column tiles)"));
+    }
+    if spec.experts() > ALIGN_THREADS {
+        return Err(format!("experts = {} exceeds the aligner's {ALIGN_THREADS}", spec.experts()));
+    }
+    Ok(())
+}
+
+struct WgmmaN {
+    n: u32,
+    regs: u32,
+}
+
+struct RouterCtx {
+    grouped: bool,
+    renormalize: bool,
+    groups: u32,
+    topk_groups: u32,
+    scaling: String,
+}
+
+#[derive(Template)]
+#[template(path = "grouped_gemm.cu", escape = "none")]
+struct GroupedGemmCu {
+    name: String,
+    wgmma: u32,
+    act_type: &'static str,
+    hidden: u32,
+    intermediate: u32,
+    experts: u32,
+    top_k: u32,
+    activation: Activation,
+    bm: u32,
+    bn1: u32,
+    bn2: u32,
+    stages: u32,
+    elem_bytes: u32,
+    wscale: u32,
+    mma_type: &'static str,
+    mma_k: u32,
+    wgmma_trans: &'static str,
+    wgmma_ns: Vec<WgmmaN>,
+    router: RouterCtx,
+}
+
+/// Render the grouped-GEMM family with explicit tiles.
+pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<KernelSource, CodegenError> {
+    let family = KernelFamily::GroupedGemm;
+    let unsupported = |what: String| CodegenError::Unsupported { family, arch, what };
+    grouped_support(spec).map_err(unsupported)?;
+    if tiles.mma == Mma::Wgmma && arch != Arch::Sm90a {
+        return Err(unsupported("wgmma (it needs sm_90a)".into()));
+    }
+    let (h, i) = (spec.hidden(), spec.intermediate());
+    if tiles.bm != 128
+        || tiles.stages < 2
+        || !matches!(tiles.bn2, 64 | 128 | 256)
+        || !matches!(tiles.bn1, 64 | 128 | 256)
+    {
+        return Err(unsupported(format!("tiles {tiles:?} (bm 128, bn 64/128/256, stages >= 2)")));
+    }
+    if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
+        return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
+    }
+    let f = spec.weight_format();
+    let (elem_bytes, mma_type, wscale) = match f {
+        WeightFormat::Bf16 => (2, "bf16", 0),
+        WeightFormat::Fp16 => (2, "f16", 0),
+        WeightFormat::Fp8E4m3 => (1, "e4m3", 1),
+        _ => (1, "e4m3", 2),
+    };
+    let mut ns: Vec<u32> = vec![tiles.bn1, tiles.bn2];
+    ns.dedup();
+    let router = match spec.router() {
+        crate::Router::Softmax { renormalize } => {
+            RouterCtx { grouped: false, renormalize, groups: 0, topk_groups: 0, scaling: "1.0f".into() }
+        }
+        crate::Router::GroupLimited(g) => RouterCtx {
+            grouped: true,
+            renormalize: g.renormalize,
+            groups: g.groups,
+            topk_groups: g.topk_groups,
+            scaling: format!("{:?}f", g.scaling()),
+        },
+    };
+    let mma_name = match tiles.mma {
+        Mma::Wgmma => "wgmma",
+        Mma::MmaSync => "mma",
+    };
+    let name = format!("{family}_{}_bm{}n{}n{}s{}_{mma_name}", spec.id(), tiles.bm, tiles.bn1, tiles.bn2, tiles.stages);
+    let t = GroupedGemmCu {
+        name: name.clone(),
+        wgmma: (tiles.mma == Mma::Wgmma) as u32,
+        act_type: spec.act_dtype().cuda_type(),
+        hidden: h,
+        intermediate: i,
+        experts: spec.experts(),
+        top_k: spec.top_k(),
+        activation: spec.activation(),
+        bm: tiles.bm,
+        bn1: tiles.bn1,
+        bn2: tiles.bn2,
+        stages: tiles.stages,
+        elem_bytes,
+        wscale,
+        mma_type,
+        mma_k: 32 / elem_bytes,
+        wgmma_trans: if elem_bytes == 2 { ", 0, 0" } else { "" },
+        wgmma_ns: ns.into_iter().map(|n| WgmmaN { n, regs: n / 2 }).collect(),
+        router,
+    };
+    let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
+    Ok(KernelSource { family, arch, name, source, entry_points: entry_points(), block_threads: GEMM_THREADS })
+}
+
+/// The entry points of a grouped module.
+pub fn entry_points() -> Vec<String> {
+    [
+        "moe_route",
+        "moe_align",
+        "moe_quant_x",
+        "moe_quant_mid",
+        "moe_gemm1",
+        "moe_gemm2_atomic",
+        "moe_gemm2_rows",
+        "moe_combine_rows",
+        "moe_convert",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::{GroupLimited, Router};
+    use crate::spec::REFERENCE_GEOMETRIES;
+
+    fn spec(h: u32, i: u32, e: u32, k: u32, f: WeightFormat) -> MoeSpec {
+        MoeSpec::builder(h, i, e, k).weight_format(f).build().unwrap()
+    }
+
+    #[test]
+    fn renders_every_reference_geometry_and_arch() {
+        for (_, h, i, e, k) in REFERENCE_GEOMETRIES {
+            for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Fp8E4m3B128] {
+                let Ok(s) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
+                for arch in Arch::ALL {
+                    let r = render_grouped(&s, arch, GemmTiles::for_spec(&s, arch));
+                    let fp8_misfit = f != WeightFormat::Bf16 && (h % 128 != 0 || i % 128 != 0);
+                    assert_eq!(r.is_err(), fp8_misfit, "{f} {h}x{i} on {arch}: {r:?}");
+                    if let Ok(k) = r {
+                        assert!(k.source.contains(&format!("constexpr int HIDDEN = {h};")));
+                        assert_eq!(k.source.contains("#define MOE_WGMMA 1"), arch == Arch::Sm90a);
+                        assert!(!k.source.contains("{%"), "askama left a tag");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wgmma_operands_match_the_tile_width() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let k = render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).unwrap();
+        assert!(k.source.contains("m64n128k16.f32.bf16.bf16"));
+        assert!(k.source.contains("\"+f\"(d[63])") && !k.source.contains("\"+f\"(d[64])"));
+        let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
+        let k = render_grouped(&s, Arch::Sm120a, GemmTiles::for_spec(&s, Arch::Sm120a)).unwrap();
+        assert!(k.source.contains("m16n8k32.row.col.f32.e4m3.e4m3.f32"));
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_do() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Int4);
+        assert!(matches!(
+            render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)),
+            Err(CodegenError::Unsupported { .. })
+        ));
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let wg = GemmTiles { mma: Mma::Wgmma, ..GemmTiles::for_spec(&s, Arch::Sm120a) };
+        assert!(render_grouped(&s, Arch::Sm120a, wg).is_err());
+        let odd = GemmTiles { bn2: 96, ..GemmTiles::for_spec(&s, Arch::Sm90a) };
+        assert!(render_grouped(&s, Arch::Sm90a, odd).is_err());
+    }
+
+    #[test]
+    fn router_is_baked_in() {
+        let s = spec(2048, 768, 256, 8, WeightFormat::Bf16)
+            .with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5)))
+            .unwrap();
+        let k = render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).unwrap();
+        assert!(k.source.contains("constexpr int GROUPS = 8;"));
+        assert!(k.source.contains("constexpr float SCALING = 2.5f;"));
+        assert!(k.name.contains("grouped8x4s2.5"));
+    }
+
+    #[test]
+    fn max_tiles_bounds_every_histogram() {
+        let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, WeightFormat::Bf16), Arch::Sm90a);
+        for pairs in [1usize, 8, 127, 128, 129, 1000, 32768] {
+            // Worst case: one pair on each of min(E, pairs) - 1 experts, the rest on one.
+            let e = 128usize.min(pairs);
+            let worst = (e - 1) + (pairs - (e - 1)).div_ceil(128);
+            assert!(t.max_tiles(pairs, 128) >= worst, "pairs {pairs}");
+        }
+    }
+}

@@ -1,0 +1,257 @@
+// moeforge grouped GEMM (prefill): {{ name }}
+// route -> align -> [quantize x] -> GEMM1 (w13, SwiGLU in the epilogue) -> [quantize mid]
+//       -> GEMM2 (w2, routing weight in the epilogue, combine by atomics or by rows) -> y.
+// Tokens are regrouped by expert into tiles of BM rows (align.cuh); a tile never mixes experts,
+// so each block's B operand is one expert's weights.
+#define MOE_WGMMA {{ wgmma }}
+{% include "common.cuh" %}
+{% include "activation.cuh" %}
+
+typedef {{ act_type }} act_t;
+constexpr int HIDDEN = {{ hidden }};
+constexpr int INTER = {{ intermediate }};
+constexpr int EXPERTS = {{ experts }};
+constexpr int TOP_K = {{ top_k }};
+constexpr int BM = {{ bm }};           // rows (token, slot pairs) per tile
+constexpr int BN1 = {{ bn1 }};         // GEMM1 columns per tile: BN1 / 2 gate and BN1 / 2 up rows
+constexpr int BN2 = {{ bn2 }};         // GEMM2 columns (hidden outputs) per tile
+constexpr int STAGES = {{ stages }};   // shared-memory pipeline depth
+constexpr int ELEM_BYTES = {{ elem_bytes }};  // GEMM operand bytes: 2 (bf16 / fp16) or 1 (e4m3)
+constexpr bool FP8 = ELEM_BYTES == 1;
+// Weight scales: 0 none, 1 one f32 per output row, 2 one f32 per 128 x 128 block.
+constexpr int WSCALE = {{ wscale }};
+constexpr int KT1 = HIDDEN * ELEM_BYTES / 128;  // k-tiles of GEMM1 (K = hidden)
+constexpr int KT2 = INTER * ELEM_BYTES / 128;   // k-tiles of GEMM2 (K = intermediate)
+static_assert(HIDDEN * ELEM_BYTES % 128 == 0 && INTER * ELEM_BYTES % 128 == 0, "whole k-tiles");
+static_assert(INTER % (BN1 / 2) == 0 && HIDDEN % BN2 == 0, "whole column tiles");
+constexpr int NT1 = INTER / (BN1 / 2);
+constexpr int NT2 = HIDDEN / BN2;
+constexpr int ELEMWISE_THREADS = 256;
+
+{% include "router.cuh" %}
+{% include "align.cuh" %}
+{% include "gemm_tile.cuh" %}
+
+extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
+
+// Activations to e4m3 with one f32 scale per 128 along K (rows [rows, COLS] -> q, s [rows, COLS / 128]).
+// A warp quantizes one 128-element block. rows: `m`, or *num_tiles * BM when num_tiles is given.
+template <int COLS>
+__device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, const int* __restrict__ num_tiles,
+                                           unsigned char* __restrict__ q, float* __restrict__ s) {
+    const int rows = num_tiles ? *num_tiles * BM : m;
+    const long blocks = (long)rows * (COLS / 128);
+    const int lane = threadIdx.x % 32;
+    for (long b = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; b < blocks; b += (long)gridDim.x * blockDim.x / 32) {
+        const long row = b / (COLS / 128), blk = b % (COLS / 128);
+        const act_t* src = in + row * COLS + blk * 128 + lane * 4;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = (float)src[i];
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+        const float scale = amax > 0.f ? amax / 448.f : 1.f;
+        const float inv = 1.f / scale;
+        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
+        *reinterpret_cast<unsigned*>(q + row * COLS + blk * 128 + lane * 4) = (unsigned)lo | ((unsigned)hi << 16);
+        if (lane == 0) s[row * (COLS / 128) + blk] = scale;
+    }
+}
+extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
+moe_quant_x(const act_t* __restrict__ x, int m, unsigned char* __restrict__ q, float* __restrict__ s) {
+    quant_rows<HIDDEN>(x, m, nullptr, q, s);
+}
+extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
+moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, unsigned char* __restrict__ q,
+              float* __restrict__ s) {
+    quant_rows<INTER>(mid, 0, num_tiles, q, s);
+}
+
+// GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
+// interleave by 8: 16 q + (0..7) are gate neurons nb + 8 q + (0..7), 16 q + (8..15) the up ones,
+// so one thread holds a neuron's gate and up accumulators.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
+          const int* __restrict__ tile_expert, const int* __restrict__ num_tiles, const void* __restrict__ w13,
+          const float* __restrict__ w13_scales, act_t* __restrict__ mid) {
+    using T = TileShape<BN1>;
+    const int work = *num_tiles * NT1;
+    const int row0 = frag_row0(), col0 = frag_col0<BN1>();
+    for (int w = blockIdx.x; w < work; w += gridDim.x) {
+        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2);
+        const int e = tile_expert[tile];
+        const char* a_src[T::A_PER_THREAD];
+        const char* b_src[T::B_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < T::A_PER_THREAD; ++j) {
+            const int p = sorted_rows[tile * BM + threadIdx.x / 8 + 32 * j];
+            a_src[j] = p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
+        }
+#pragma unroll
+        for (int j = 0; j < T::B_PER_THREAD; ++j) {
+            const int col = threadIdx.x / 8 + 32 * j;
+            const int n = nb + 8 * (col / 16) + col % 8 + (col % 16 >= 8 ? INTER : 0);
+            b_src[j] = (const char*)w13 + ((long)e * 2 * INTER + n) * HIDDEN * ELEM_BYTES;
+        }
+        float acc[T::ACC];
+        float part[FP8 ? T::ACC : 1];
+#pragma unroll
+        for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
+        // FP8: fold each k-tile in with its activation scale (per row) and block weight scale.
+        const float* as[T::MF * 2];
+#pragma unroll
+        for (int j = 0; j < T::MF * 2; ++j) {
+            const int p = sorted_rows[tile * BM + frag_row(row0, j / 2, 2 * (j % 2))];
+            as[j] = a_scales + (long)(p < 0 ? 0 : p / TOP_K) * KT1;
+        }
+        const float* gate_bs = w13_scales + ((long)e * 2 * INTER + nb) / 128 * KT1;
+        const float* up_bs = w13_scales + ((long)e * 2 * INTER + INTER + nb) / 128 * KT1;
+        gemm_tile<BN1, KT1>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
+            const float bg = WSCALE == 2 ? gate_bs[kt] : 1.f, bu = WSCALE == 2 ? up_bs[kt] : 1.f;
+#pragma unroll
+            for (int mf = 0; mf < T::MF; ++mf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float sa = as[2 * mf + h][kt];
+#pragma unroll
+                    for (int nf = 0; nf < T::NF; ++nf)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
+                            acc[j] += pt[j] * sa * ((nf % 2) ? bu : bg);
+                        }
+                }
+        });
+#pragma unroll
+        for (int mf = 0; mf < T::MF; ++mf)
+#pragma unroll
+            for (int q = 0; q < T::NF / 2; ++q) {
+                const int n = nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4);
+                float sg0 = 1.f, sg1 = 1.f, su0 = 1.f, su1 = 1.f;
+                if (WSCALE == 1) {
+                    const float* s = w13_scales + (long)e * 2 * INTER;
+                    sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = frag_row(row0, mf, 2 * h);
+                    const float* g = acc + (mf * T::NF + 2 * q) * 4 + 2 * h;
+                    const float* u = acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h;
+                    act_t* out = mid + (long)(tile * BM + r) * INTER + n;
+                    out[0] = (act_t)(moe_act(g[0] * sg0) * (u[0] * su0));
+                    out[1] = (act_t)(moe_act(g[1] * sg1) * (u[1] * su1));
+                }
+            }
+    }
+}
+
+// GEMM2: out = weight_p * (mid[pos] . w2_n) for the pair p in row pos. ATOMIC: added into the
+// f32 token rows y32[t, n] (zeroed before); else written to rows out[pos, n] for moe_combine.
+template <bool ATOMIC>
+__device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
+                                      const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
+                                      const int* __restrict__ num_tiles, const void* __restrict__ w2,
+                                      const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
+                                      float* __restrict__ out) {
+    using T = TileShape<BN2>;
+    const int work = *num_tiles * NT2;
+    const int row0 = frag_row0(), col0 = frag_col0<BN2>();
+    for (int w = blockIdx.x; w < work; w += gridDim.x) {
+        const int tile = w / NT2, nb = (w % NT2) * BN2;
+        const int e = tile_expert[tile];
+        const char* a_src[T::A_PER_THREAD];
+        const char* b_src[T::B_PER_THREAD];
+        // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
+#pragma unroll
+        for (int j = 0; j < T::A_PER_THREAD; ++j)
+            a_src[j] = (const char*)a + (long)(tile * BM + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
+#pragma unroll
+        for (int j = 0; j < T::B_PER_THREAD; ++j)
+            b_src[j] = (const char*)w2 + ((long)e * HIDDEN + nb + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
+        float acc[T::ACC];
+        float part[FP8 ? T::ACC : 1];
+#pragma unroll
+        for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
+        const float* bs = w2_scales + ((long)e * HIDDEN + nb) / 128 * KT2;
+        gemm_tile<BN2, KT2>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
+            const float b = WSCALE == 2 ? bs[kt] : 1.f;
+#pragma unroll
+            for (int mf = 0; mf < T::MF; ++mf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float sa = a_scales[(long)(tile * BM + frag_row(row0, mf, 2 * h)) * KT2 + kt] * b;
+#pragma unroll
+                    for (int nf = 0; nf < T::NF; ++nf)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
+                            acc[j] += pt[j] * sa;
+                        }
+                }
+        });
+#pragma unroll
+        for (int mf = 0; mf < T::MF; ++mf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pos = tile * BM + frag_row(row0, mf, 2 * h);
+                const int p = sorted_rows[pos];
+                if (p < 0) continue;
+                const float rw = topk_weights[p];
+#pragma unroll
+                for (int nf = 0; nf < T::NF; ++nf) {
+                    const int n = nb + frag_col(col0, nf, 0);
+                    float2 v = make_float2(acc[(mf * T::NF + nf) * 4 + 2 * h] * rw, acc[(mf * T::NF + nf) * 4 + 2 * h + 1] * rw);
+                    if (WSCALE == 1) {
+                        v.x *= w2_scales[(long)e * HIDDEN + n];
+                        v.y *= w2_scales[(long)e * HIDDEN + n + 1];
+                    }
+                    if (ATOMIC) {
+                        float* dst = out + (long)(p / TOP_K) * HIDDEN + n;
+                        asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
+                    } else {
+                        *reinterpret_cast<float2*>(out + (long)pos * HIDDEN + n) = v;
+                    }
+                }
+            }
+    }
+}
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
+                 const int* num_tiles, const void* w2, const float* w2_scales, const float* topk_weights, float* y32) {
+    gemm2<true>(a, a_scales, sorted_rows, tile_expert, num_tiles, w2, w2_scales, topk_weights, y32);
+}
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
+               const int* num_tiles, const void* w2, const float* w2_scales, const float* topk_weights, float* rows) {
+    gemm2<false>(a, a_scales, sorted_rows, tile_expert, num_tiles, w2, w2_scales, topk_weights, rows);
+}
+
+// Deterministic combine: y[t] = sum over slots s, in slot order, of rows[pair_pos[t * K + s]].
+extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
+moe_combine_rows(const float* __restrict__ rows, const int* __restrict__ pair_pos, int m, act_t* __restrict__ y) {
+    const long n = (long)m * HIDDEN / 2;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long t = i / (HIDDEN / 2), c = 2 * (i % (HIDDEN / 2));
+        float2 sum = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < TOP_K; ++s) {
+            const int pos = pair_pos[t * TOP_K + s];
+            if (pos < 0) continue;
+            const float2 v = *reinterpret_cast<const float2*>(rows + (long)pos * HIDDEN + c);
+            sum.x += v.x;
+            sum.y += v.y;
+        }
+        y[t * HIDDEN + c] = (act_t)sum.x;
+        y[t * HIDDEN + c + 1] = (act_t)sum.y;
+    }
+}
+
+// y = y32 in the activation dtype (after the atomic combine).
+extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
+moe_convert(const float* __restrict__ y32, int m, act_t* __restrict__ y) {
+    const long n = (long)m * HIDDEN;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = (act_t)y32[i];
+}
