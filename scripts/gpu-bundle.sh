@@ -14,10 +14,11 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["executable"])'
 }
-for t in gpu_decode gpu_formats; do
+for t in gpu_decode gpu_formats gpu_prefill; do
   cp "$(bin test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
 done
 cp "$(bin bench --bench decode --no-run | tail -1)" gpu-bundle/decode
+cp "$(bin bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
 cp "$(bin build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
 cargo build --release -q -p moe-runtime --bin moe-jit && cp target/release/moe-jit gpu-bundle/
 strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh

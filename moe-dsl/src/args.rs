@@ -358,7 +358,8 @@ impl Args {
                     Some(a) => a.error(&e),
                     None => format.error(&e),
                 },
-                SpecError::Unknown { .. } => syn::Error::new(Span::call_site(), &e),
+                // The macro takes no router argument (the default router cannot fail).
+                SpecError::Unknown { .. } | SpecError::Router { .. } => syn::Error::new(Span::call_site(), &e),
             }
         })?;
         Ok(Checked { spec, archs, families })

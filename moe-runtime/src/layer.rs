@@ -2,6 +2,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
+use crate::prefill::{GroupedPath, StepPtrs};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use moe_codegen::{
@@ -68,7 +69,18 @@ pub struct MoeLayer {
     validate_routing: bool,
     fused: bool,
     max_token_tile: u32,
+    /// The prefill family, where the spec's format and geometry allow it (else why not).
+    grouped: std::result::Result<GroupedPath, String>,
+    /// Steps of at least this many tokens take the grouped GEMMs.
+    prefill_threshold: usize,
+    deterministic: bool,
+    /// The group-limited router's per-expert correction bias (zeros until set).
+    router_bias: CudaSlice<f32>,
 }
+
+/// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold`
+/// says otherwise.
+pub const DEFAULT_PREFILL_THRESHOLD: usize = 64;
 
 /// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
 /// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
@@ -78,7 +90,7 @@ pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
 
 /// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
 /// kernel in the stream (it may start before that one finishes and waits in `griddepcontrol.wait`).
-unsafe fn launch(
+pub(crate) unsafe fn launch(
     f: &CudaFunction,
     stream: &CudaStream,
     grid: u32,
@@ -106,7 +118,7 @@ unsafe fn launch(
     Ok(())
 }
 
-fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     // Event tracking is off on moeforge contexts, so the guard records nothing.
     s.device_ptr(stream).0
 }
@@ -116,6 +128,11 @@ impl MoeLayer {
     pub fn load(device: &Device, spec: MoeSpec, weights: &HostWeights) -> Result<MoeLayer> {
         let src = render(&spec, KernelFamily::WarpDecode, device.arch())?;
         MoeLayer::with_source(device, spec, src, weights)
+    }
+
+    /// The grouped family's status for this layer: `Err(why)` if the spec cannot use it.
+    pub fn grouped_available(&self) -> std::result::Result<(), &str> {
+        self.grouped.as_ref().map(|_| ()).map_err(|w| w.as_str())
     }
 
     /// As [`MoeLayer::load`], with source rendered ahead of time (e.g. by `#[moe_kernel]`).
@@ -163,6 +180,16 @@ impl MoeLayer {
             // Measured on the H100 (benches/results/h100-decode.json): the split pair is faster.
             fused: false,
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
+            grouped: match moe_codegen::grouped_support(&spec) {
+                Ok(()) => Ok(GroupedPath::load(device, &spec)?),
+                Err(why) => {
+                    tracing::info!(%why, "no grouped GEMM path; every step uses warp decode");
+                    Err(why)
+                }
+            },
+            prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
+            deterministic: false,
+            router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
             stream,
         };
         layer.stream.synchronize()?;
@@ -207,6 +234,15 @@ impl MoeLayer {
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
     /// captures) allocate nothing.
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
+        if let Ok(g) = &self.grouped {
+            if max_tokens >= self.prefill_threshold {
+                g.reserve(&self.stream, &self.spec, max_tokens, self.deterministic)?;
+            }
+        }
+        self.reserve_decode(max_tokens.min(self.prefill_threshold))
+    }
+
+    fn reserve_decode(&self, max_tokens: usize) -> Result<()> {
         let need = max_tokens * self.spec.top_k() as usize * self.spec.intermediate() as usize;
         let mut mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         if mid.len() < need {
@@ -229,9 +265,45 @@ impl MoeLayer {
         Ok(n)
     }
 
+    /// Steps of at least `tokens` tokens take the grouped GEMMs (when the spec allows them);
+    /// smaller ones warp decode.
+    pub fn set_prefill_threshold(&mut self, tokens: usize) {
+        self.prefill_threshold = tokens.max(1);
+    }
+
+    /// Combine the grouped path's expert outputs in a fixed order (per token, slot by slot) instead
+    /// of with f32 atomics: bit-reproducible run to run, at the cost of writing and reading
+    /// `[M * top_k, H]` f32 rows.
+    pub fn set_deterministic(&mut self, on: bool) {
+        self.deterministic = on;
+    }
+
+    /// The group-limited router's correction bias, one f32 per expert.
+    pub fn set_router_bias(&mut self, bias: &[f32]) -> Result<()> {
+        let e = self.spec.experts() as usize;
+        if bias.len() != e {
+            return Err(RuntimeError::Shape {
+                what: "router bias",
+                expected: format!("[{e}]"),
+                got: bias.len().to_string(),
+            });
+        }
+        self.stream.memcpy_htod(bias, &mut self.router_bias)?;
+        Ok(())
+    }
+
+    /// The family `forward` uses for a step of `m` tokens.
+    pub fn family_for(&self, m: usize) -> KernelFamily {
+        if m >= self.prefill_threshold && self.grouped.is_ok() {
+            KernelFamily::GroupedGemm
+        } else {
+            KernelFamily::WarpDecode
+        }
+    }
+
     /// `y[M, H] = MoE(x[M, H])` for routing `topk_ids[M, k]` (i32) and `topk_weights[M, k]` (f32),
     /// enqueued on the layer's stream with no host synchronisation (unless routing validation is
-    /// on), so it can be captured in a CUDA graph.
+    /// on), so it can be captured in a CUDA graph. The family follows [`MoeLayer::family_for`].
     pub fn forward<T: ActElem>(
         &self,
         x: &CudaSlice<T>,
@@ -239,7 +311,85 @@ impl MoeLayer {
         topk_weights: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
+        let m = self.check_step(x, y)?;
+        self.forward_family(self.family_for(m), x, topk_ids, topk_weights, y)
+    }
+
+    /// [`MoeLayer::forward`] with the family named.
+    pub fn forward_family<T: ActElem>(
+        &self,
+        family: KernelFamily,
+        x: &CudaSlice<T>,
+        topk_ids: &CudaSlice<i32>,
+        topk_weights: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let m = self.check_step(x, y)?;
+        let k = self.spec.top_k() as usize;
+        let expect = |what, got: usize| {
+            if got == m * k {
+                Ok(())
+            } else {
+                Err(RuntimeError::Shape { what, expected: format!("[{m}, {k}]"), got: format!("{got} elements") })
+            }
+        };
+        expect("topk_ids", topk_ids.len())?;
+        expect("topk_weights", topk_weights.len())?;
+        if self.validate_routing {
+            self.check_ids(topk_ids)?;
+        }
+        let s = &self.stream;
+        let p = self.step_ptrs(ptr(x, s), ptr(topk_ids, s), ptr(topk_weights, s), ptr(y, s));
+        self.launch_family(family, m, &p)
+    }
+
+    /// Route on the device, then [`MoeLayer::forward`]: `logits [M, E]` f32 through the spec's
+    /// router (in the grouped module, so the spec must allow that family).
+    pub fn forward_logits<T: ActElem>(
+        &self,
+        x: &CudaSlice<T>,
+        logits: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let m = self.check_step(x, y)?;
+        let e = self.spec.experts() as usize;
+        if logits.len() != m * e {
+            return Err(RuntimeError::Shape {
+                what: "router logits",
+                expected: format!("[{m}, {e}]"),
+                got: format!("{} elements", logits.len()),
+            });
+        }
+        let g = self.grouped_path()?;
+        g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
+        let s = &self.stream;
+        let (ids, weights) = g.route(s, m, ptr(logits, s), ptr(&self.router_bias, s))?;
+        let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
+        self.launch_family(self.family_for(m), m, &p)
+    }
+
+    /// The routing the last [`MoeLayer::forward_logits`] produced, copied back (syncs):
+    /// `(topk_ids, topk_weights)`, each `[M, k]`.
+    pub fn last_routing(&self, m: usize) -> Result<(Vec<i32>, Vec<f32>)> {
+        let (ids, w) = self.grouped_path()?.last_routing(&self.stream)?;
+        let n = m * self.spec.top_k() as usize;
+        Ok((ids[..n].to_vec(), w[..n].to_vec()))
+    }
+
+    /// The grouped path's last alignment (syncs): `(sorted_rows, pair_pos, tile_expert, num_tiles)`.
+    pub fn last_alignment(&self) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>, i32)> {
+        self.grouped_path()?.last_alignment(&self.stream)
+    }
+
+    fn grouped_path(&self) -> Result<&GroupedPath> {
+        self.grouped
+            .as_ref()
+            .map_err(|why| RuntimeError::FamilyUnavailable { family: KernelFamily::GroupedGemm, why: why.clone() })
+    }
+
+    /// x `[M, H]` with M > 0 in the spec's dtype and y of the same shape; returns M.
+    fn check_step<T: ActElem>(&self, x: &CudaSlice<T>, y: &CudaSlice<T>) -> Result<usize> {
+        let h = self.spec.hidden() as usize;
         if T::DTYPE != self.spec.act_dtype() {
             return Err(RuntimeError::Shape {
                 what: "activation dtype",
@@ -255,24 +405,50 @@ impl MoeLayer {
             });
         }
         let m = x.len() / h;
-        let expect = |what, got: usize, n: usize, shape: String| {
-            if got == n {
-                Ok(())
-            } else {
-                Err(RuntimeError::Shape { what, expected: shape, got: format!("{got} elements") })
+        if y.len() != m * h {
+            return Err(RuntimeError::Shape {
+                what: "y",
+                expected: format!("[{m}, {h}]"),
+                got: format!("{} elements", y.len()),
+            });
+        }
+        Ok(m)
+    }
+
+    fn step_ptrs(&self, x: u64, ids: u64, weights: u64, y: u64) -> StepPtrs {
+        let s = &self.stream;
+        StepPtrs {
+            x,
+            ids,
+            weights,
+            y,
+            w13: ptr(&self.w13, s),
+            w13_scales: ptr(&self.w13_scales, s),
+            w2: ptr(&self.w2, s),
+            w2_scales: ptr(&self.w2_scales, s),
+            errors: ptr(&self.errors, s),
+        }
+    }
+
+    fn launch_family(&self, family: KernelFamily, m: usize, p: &StepPtrs) -> Result<()> {
+        tracing::debug!(%family, m, "forward");
+        match family {
+            KernelFamily::GroupedGemm => {
+                let g = self.grouped_path()?;
+                g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
+                g.forward(&self.stream, &self.spec, m, p, self.deterministic)
             }
-        };
-        expect("topk_ids", topk_ids.len(), m * k, format!("[{m}, {k}]"))?;
-        expect("topk_weights", topk_weights.len(), m * k, format!("[{m}, {k}]"))?;
-        expect("y", y.len(), m * h, format!("[{m}, {h}]"))?;
+            _ => self.forward_decode(m, p),
+        }
+    }
+
+    fn forward_decode(&self, m: usize, p: &StepPtrs) -> Result<()> {
+        let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
         let smem = routing_smem_bytes(&self.spec, m as u32);
         if smem + self.static_smem > self.max_smem {
             return Err(RuntimeError::StepTooLarge { m, need: smem + self.static_smem, max: self.max_smem });
         }
-        if self.validate_routing {
-            self.check_ids(topk_ids)?;
-        }
-        self.reserve(m)?;
+        self.reserve_decode(m)?;
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
@@ -285,11 +461,10 @@ impl MoeLayer {
             }
         }
         let s = &self.stream;
-        let (mut xp, mut idp, mut wp) = (ptr(x, s), ptr(topk_ids, s), ptr(topk_weights, s));
+        let (mut xp, mut idp, mut wp) = (p.x, p.ids, p.weights);
         let (mut w13, mut w13s, mut w2, mut w2s) =
             (ptr(&self.w13, s), ptr(&self.w13_scales, s), ptr(&self.w2, s), ptr(&self.w2_scales, s));
-        let (mut midp, mut yp, mut errp, mut readyp) =
-            (ptr(&mid, s), ptr(y, s), ptr(&self.errors, s), ptr(&self.ready, s));
+        let (mut midp, mut yp, mut errp, mut readyp) = (ptr(&mid, s), p.y, p.errors, ptr(&self.ready, s));
         let mut m_i32 = m as i32;
         let block = self.warps * 32;
         let pairs = (m * k) as u64;

@@ -2,7 +2,7 @@
 //! the kernels read. Every GPU test and the example compare against this one function.
 
 use crate::weights::HostWeights;
-use moe_codegen::MoeSpec;
+use moe_codegen::{MoeSpec, Router};
 
 /// `y[M, H]` in f64. `x` holds the activations as the device sees them (already rounded to the
 /// activation dtype); `ids` / `weights` are `[M, k]`. Rows are dequantized only for the experts
@@ -29,6 +29,58 @@ pub fn moe_forward_rows<A, B>(
     x: &[f32],
     ids: &[i32],
     weights: &[f32],
+) -> Vec<f64>
+where
+    A: Fn(usize, usize) -> Vec<f32> + Sync,
+    B: Fn(usize, usize) -> Vec<f32> + Sync,
+{
+    forward_rows(spec, w13_row, w2_row, x, ids, weights, |_| {})
+}
+
+/// [`moe_forward`] as the grouped family computes it with fp8 weights: x and the intermediate
+/// (rounded to the activation dtype first) are quantized to e4m3 with one f32 scale per 128 along
+/// K, as `moe_quant_x` / `moe_quant_mid` do, before each GEMM.
+pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
+    let xq = quant_e4m3_per128(x);
+    let act = spec.act_dtype();
+    forward_rows(
+        spec,
+        |e, r| w.w13_row(spec, e, r),
+        |e, r| w.w2_row(spec, e, r),
+        &xq,
+        ids,
+        weights,
+        |mid| {
+            let rounded: Vec<f32> = mid.iter().map(|&v| act.round(v as f32)).collect();
+            for (m, q) in mid.iter_mut().zip(quant_e4m3_per128(&rounded)) {
+                *m = q as f64;
+            }
+        },
+    )
+}
+
+/// Values after e4m3 quantization with one f32 scale (amax / 448) per 128 consecutive values.
+pub fn quant_e4m3_per128(v: &[f32]) -> Vec<f32> {
+    use moe_codegen::numerics::{e4m3_from_f32, e4m3_to_f32};
+    let mut out = Vec::with_capacity(v.len());
+    for b in v.chunks(128) {
+        let amax = b.iter().fold(0f32, |a, &x| a.max(x.abs()));
+        let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        let inv = 1.0 / scale;
+        out.extend(b.iter().map(|&x| e4m3_to_f32(e4m3_from_f32(x * inv)) * scale));
+    }
+    out
+}
+
+/// The reference with a hook on each pair's intermediate row (`[I]`, f64) before the down GEMM.
+fn forward_rows<A, B>(
+    spec: &MoeSpec,
+    w13_row: A,
+    w2_row: B,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    mid_hook: impl Fn(&mut [f64]),
 ) -> Vec<f64>
 where
     A: Fn(usize, usize) -> Vec<f32> + Sync,
@@ -68,6 +120,9 @@ where
             mid[p * i + n0..p * i + n1].copy_from_slice(&part[q * (n1 - n0)..(q + 1) * (n1 - n0)]);
         }
     }
+    for row in mid.chunks_mut(i) {
+        mid_hook(row);
+    }
     // y[t] += weight[p] * (w2 . mid[p]), jobs of BLOCK output rows of one expert.
     let jobs: Vec<(usize, usize)> =
         (0..experts.len()).flat_map(|j| (0..h).step_by(BLOCK).map(move |r0| (j, r0))).collect();
@@ -94,6 +149,61 @@ where
         }
     }
     y
+}
+
+/// The router on the CPU: `logits [M, E]` -> `(topk_ids, topk_weights)`, each `[M, k]`. Choice
+/// compares f32 scores as the kernel does (ties to the lowest id); weights are computed in f64.
+pub fn route(spec: &MoeSpec, logits: &[f32], bias: &[f32]) -> (Vec<i32>, Vec<f32>) {
+    let (e, k) = (spec.experts() as usize, spec.top_k() as usize);
+    let mut ids = Vec::with_capacity(logits.len() / e * k);
+    let mut weights = Vec::with_capacity(ids.capacity());
+    // The k best of `score` among `allowed`, ties to the lowest index.
+    let top = |score: &[f32], allowed: &dyn Fn(usize) -> bool, n: usize| -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..score.len()).filter(|&j| allowed(j)).collect();
+        idx.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+        idx.truncate(n);
+        idx
+    };
+    for row in logits.chunks(e) {
+        let (chosen, mut w): (Vec<usize>, Vec<f64>) = match spec.router() {
+            Router::Softmax { renormalize } => {
+                let mx = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v as f64));
+                let sum: f64 = row.iter().map(|&v| (v as f64 - mx).exp()).sum();
+                let chosen = top(row, &|_| true, k);
+                let mut w: Vec<f64> = chosen.iter().map(|&j| (row[j] as f64 - mx).exp() / sum).collect();
+                if renormalize {
+                    let s: f64 = w.iter().sum();
+                    w.iter_mut().for_each(|v| *v /= s);
+                }
+                (chosen, w)
+            }
+            Router::GroupLimited(g) => {
+                let sig = |v: f32| 1.0 / (1.0 + (-(v as f64)).exp());
+                let score: Vec<f32> = row.iter().zip(bias).map(|(&v, &b)| sig(v) as f32 + b).collect();
+                let gsize = e / g.groups as usize;
+                let gscore: Vec<f32> = score
+                    .chunks(gsize)
+                    .map(|c| {
+                        let mut c = c.to_vec();
+                        c.sort_by(|a, b| b.total_cmp(a));
+                        c[0] + c[1]
+                    })
+                    .collect();
+                let kept = top(&gscore, &|_| true, g.topk_groups as usize);
+                let chosen = top(&score, &|j| kept.contains(&(j / gsize)), k);
+                let mut w: Vec<f64> = chosen.iter().map(|&j| sig(row[j])).collect();
+                if g.renormalize {
+                    let s: f64 = w.iter().sum();
+                    w.iter_mut().for_each(|v| *v /= s);
+                }
+                w.iter_mut().for_each(|v| *v *= g.scaling() as f64);
+                (chosen, w)
+            }
+        };
+        ids.extend(chosen.iter().map(|&j| j as i32));
+        weights.extend(w.drain(..).map(|v| v as f32));
+    }
+    (ids, weights)
 }
 
 /// `f` over every job on every core, results in job order.
@@ -170,5 +280,38 @@ mod tests {
         let (rel, cos) = compare(&y.iter().map(|&v| v as f32).collect::<Vec<_>>(), &y);
         assert!(rel < 1e-6 && cos > 0.999999);
         let _ = WeightFormat::Bf16;
+    }
+
+    #[test]
+    fn router_reference_breaks_ties_low_and_limits_groups() {
+        let spec = MoeSpec::builder(64, 64, 8, 2).build().unwrap();
+        let (ids, w) = route(&spec, &[0.0; 8], &[0.0; 8]);
+        assert_eq!(ids, [0, 1]);
+        assert!((w[0] - 0.5).abs() < 1e-7);
+        let (ids, _) = route(&spec, &[0.0, 3.0, 1.0, 3.0, 0.0, 0.0, 0.0, 0.0], &[0.0; 8]);
+        assert_eq!(ids, [1, 3]);
+        // Groups {0,1} {2,3} {4,5} {6,7}; one kept. Group 3 scores highest by its two members
+        // even though expert 0 alone is the best.
+        let g = Router::GroupLimited(moe_codegen::GroupLimited::new(4, 1, false, 2.0));
+        let spec = spec.with_router(g).unwrap();
+        let logits = [5.0, -9.0, 0.0, 0.0, 0.0, 0.0, 4.0, 4.0];
+        let (ids, w) = route(&spec, &logits, &[0.0; 8]);
+        assert_eq!(ids, [6, 7]);
+        let sig4 = 1.0 / (1.0 + (-4.0f64).exp());
+        assert!((w[0] as f64 - 2.0 * sig4).abs() < 1e-6);
+        // The bias steers the choice, not the weight.
+        let (ids, w) = route(&spec, &logits, &[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]);
+        assert_eq!(ids, [7, 6]);
+        assert!((w[0] as f64 - 2.0 * sig4).abs() < 1e-6);
+    }
+
+    #[test]
+    fn fp8_activation_quantization_keeps_block_maxima() {
+        let v: Vec<f32> = (0..256).map(|j| (j as f32 - 100.0) / 7.0).collect();
+        let q = quant_e4m3_per128(&v);
+        assert_eq!(q[0], v[0]);
+        assert!((q[255] - v[255]).abs() < 1e-5);
+        let (rel, _) = compare(&q, &v.iter().map(|&x| x as f64).collect::<Vec<_>>());
+        assert!(rel < 0.05 && rel > 0.0, "{rel}");
     }
 }

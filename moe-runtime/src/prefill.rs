@@ -1,0 +1,313 @@
+//! The grouped-GEMM (prefill) path of a layer: its kernels, its scratch and its launches.
+//!
+//! route (optional) -> align -> [quantize x] -> GEMM1 + SwiGLU -> [quantize mid] -> GEMM2 +
+//! routing weight -> combine. Every buffer is sized on the host from upper bounds known before
+//! launch (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
+
+use crate::device::Device;
+use crate::error::{Result, RuntimeError};
+use crate::layer::{launch, ptr};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
+use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, GEMM_THREADS, ROUTE_THREADS};
+use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Device pointers the grouped path reads for one step.
+pub(crate) struct StepPtrs {
+    pub x: u64,
+    pub ids: u64,
+    pub weights: u64,
+    pub y: u64,
+    pub w13: u64,
+    pub w13_scales: u64,
+    pub w2: u64,
+    pub w2_scales: u64,
+    pub errors: u64,
+}
+
+struct Fns {
+    route: CudaFunction,
+    align: CudaFunction,
+    quant_x: CudaFunction,
+    quant_mid: CudaFunction,
+    gemm1: CudaFunction,
+    gemm2_atomic: CudaFunction,
+    gemm2_rows: CudaFunction,
+    combine_rows: CudaFunction,
+    convert: CudaFunction,
+}
+
+/// Scratch for steps of up to `tokens` tokens, grown (outside graph capture) on demand.
+struct Scratch {
+    tokens: usize,
+    deterministic: bool,
+    sorted_rows: CudaSlice<i32>,
+    pair_pos: CudaSlice<i32>,
+    tile_expert: CudaSlice<i32>,
+    num_tiles: CudaSlice<i32>,
+    /// GEMM1 output `[max_rows, I]` in the activation dtype.
+    mid: CudaSlice<u8>,
+    /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K.
+    xq: CudaSlice<u8>,
+    xs: CudaSlice<f32>,
+    midq: CudaSlice<u8>,
+    mids: CudaSlice<f32>,
+    /// f32 token rows `[M, H]` for the atomic combine, or `[max_rows, H]` pair rows for the
+    /// deterministic one.
+    out32: CudaSlice<f32>,
+    /// Routing produced on the device from logits.
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+}
+
+pub(crate) struct GroupedPath {
+    pub tiles: GemmTiles,
+    fns: Fns,
+    fp8: bool,
+    gemm1_blocks: u32,
+    gemm2_blocks: u32,
+    sms: u32,
+    scratch: Mutex<Option<Scratch>>,
+}
+
+impl GroupedPath {
+    pub fn load(device: &Device, spec: &MoeSpec) -> Result<GroupedPath> {
+        let tiles = GemmTiles::for_spec(spec, device.arch());
+        let src = render_grouped(spec, device.arch(), tiles)?;
+        GroupedPath::with_source(device, spec, tiles, &src)
+    }
+
+    pub fn with_source(device: &Device, spec: &MoeSpec, tiles: GemmTiles, src: &KernelSource) -> Result<GroupedPath> {
+        let module = device.load(src)?;
+        let f = |name: &str| module.load_function(name);
+        let fns = Fns {
+            route: f("moe_route")?,
+            align: f("moe_align")?,
+            quant_x: f("moe_quant_x")?,
+            quant_mid: f("moe_quant_mid")?,
+            gemm1: f("moe_gemm1")?,
+            gemm2_atomic: f("moe_gemm2_atomic")?,
+            gemm2_rows: f("moe_gemm2_rows")?,
+            combine_rows: f("moe_combine_rows")?,
+            convert: f("moe_convert")?,
+        };
+        let blocks = |g: &CudaFunction, bn: u32| -> Result<u32> {
+            let smem = tiles.smem_bytes(bn);
+            if smem > device.max_smem_optin() {
+                return Err(RuntimeError::StepTooLarge { m: 0, need: smem, max: device.max_smem_optin() });
+            }
+            g.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+            let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(GEMM_THREADS, smem as usize, None)?;
+            Ok(per_sm.max(1) * device.sm_count())
+        };
+        let gemm1_blocks = blocks(&fns.gemm1, tiles.bn1)?;
+        let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.bn2)?;
+        blocks(&fns.gemm2_rows, tiles.bn2)?;
+        let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+        tracing::info!(module = %src.name, ?tiles, "grouped path loaded");
+        Ok(GroupedPath {
+            tiles,
+            fns,
+            fp8,
+            gemm1_blocks,
+            gemm2_blocks,
+            sms: device.sm_count(),
+            scratch: Mutex::new(None),
+        })
+    }
+
+    /// Size the scratch for steps of up to `tokens` tokens in the given combine mode.
+    pub fn reserve(&self, stream: &Arc<CudaStream>, spec: &MoeSpec, tokens: usize, deterministic: bool) -> Result<()> {
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = s.as_ref() {
+            if s.tokens >= tokens && (s.deterministic || !deterministic) {
+                return Ok(());
+            }
+        }
+        let capturing = stream.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            return Err(RuntimeError::NotReserved { m: tokens });
+        }
+        stream.synchronize()?;
+        *s = None; // free before allocating the larger set
+        let (h, i, k) = (spec.hidden() as usize, spec.intermediate() as usize, spec.top_k() as usize);
+        let pairs = tokens * k;
+        let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
+        let rows = max_tiles * self.tiles.bm as usize;
+        let q = |n: usize| if self.fp8 { n } else { 1 };
+        *s = Some(Scratch {
+            tokens,
+            deterministic,
+            sorted_rows: stream.alloc_zeros(rows)?,
+            pair_pos: stream.alloc_zeros(pairs)?,
+            tile_expert: stream.alloc_zeros(max_tiles)?,
+            num_tiles: stream.alloc_zeros(1)?,
+            mid: stream.alloc_zeros(rows * i * 2)?,
+            xq: stream.alloc_zeros(q(tokens * h))?,
+            xs: stream.alloc_zeros(q(tokens * h / 128))?,
+            midq: stream.alloc_zeros(q(rows * i))?,
+            mids: stream.alloc_zeros(q(rows * i / 128))?,
+            out32: stream.alloc_zeros(if deterministic { rows * h } else { tokens * h })?,
+            ids: stream.alloc_zeros(pairs)?,
+            weights: stream.alloc_zeros(pairs)?,
+        });
+        Ok(())
+    }
+
+    /// Route `logits [m, E]` (f32) on the device into the scratch's ids / weights and return
+    /// their pointers.
+    pub fn route(&self, stream: &Arc<CudaStream>, m: usize, logits: u64, bias: u64) -> Result<(u64, u64)> {
+        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = s.as_ref().expect("reserved before routing");
+        let (mut ids, mut w) = (ptr(&s.ids, stream), ptr(&s.weights, stream));
+        let (mut l, mut b, mut m32) = (logits, bias, m as i32);
+        let mut args = [arg(&mut l), arg(&mut b), arg(&mut m32), arg(&mut ids), arg(&mut w)];
+        let grid = m.div_ceil((ROUTE_THREADS / 32) as usize) as u32;
+        unsafe { launch(&self.fns.route, stream, grid, ROUTE_THREADS, 0, false, &mut args)? };
+        Ok((ids, w))
+    }
+
+    /// One step: `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`.
+    pub fn forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        spec: &MoeSpec,
+        m: usize,
+        p: &StepPtrs,
+        deterministic: bool,
+    ) -> Result<()> {
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = guard.as_mut().expect("reserved before forward");
+        let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
+        let pairs = m * k;
+        let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
+        let mut pairs32 = pairs as i32;
+        let mut m32 = m as i32;
+        let (mut sorted, mut pos, mut tile_e, mut ntiles) = (
+            ptr(&s.sorted_rows, stream),
+            ptr(&s.pair_pos, stream),
+            ptr(&s.tile_expert, stream),
+            ptr(&s.num_tiles, stream),
+        );
+        let (mut ids, mut errors) = (p.ids, p.errors);
+        unsafe {
+            let mut args = [
+                arg(&mut ids),
+                arg(&mut pairs32),
+                arg(&mut sorted),
+                arg(&mut pos),
+                arg(&mut tile_e),
+                arg(&mut ntiles),
+                arg(&mut errors),
+            ];
+            launch(&self.fns.align, stream, 1, ALIGN_THREADS, 0, false, &mut args)?;
+        }
+        let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
+        // GEMM1's A operand: x itself, or its e4m3 copy.
+        let (mut a1, mut a1s) = (p.x, 0u64);
+        if self.fp8 {
+            let (mut xq, mut xs, mut x) = (ptr(&s.xq, stream), ptr(&s.xs, stream), p.x);
+            a1 = xq;
+            a1s = xs;
+            let mut args = [arg(&mut x), arg(&mut m32), arg(&mut xq), arg(&mut xs)];
+            // A warp per 128-element block.
+            unsafe {
+                launch(&self.fns.quant_x, stream, elementwise(m * h / 128 * 32), ELEMWISE_THREADS, 0, false, &mut args)?
+            };
+        }
+        let mut mid = ptr(&s.mid, stream);
+        let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
+        let nt1 = (spec.intermediate() / (self.tiles.bn1 / 2)) as usize;
+        let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
+        let grid1 = (max_tiles * nt1).min(self.gemm1_blocks as usize).max(1) as u32;
+        let grid2 = (max_tiles * nt2).min(self.gemm2_blocks as usize).max(1) as u32;
+        unsafe {
+            let mut args = [
+                arg(&mut a1),
+                arg(&mut a1s),
+                arg(&mut sorted),
+                arg(&mut tile_e),
+                arg(&mut ntiles),
+                arg(&mut w13),
+                arg(&mut w13s),
+                arg(&mut mid),
+            ];
+            launch(
+                &self.fns.gemm1,
+                stream,
+                grid1,
+                GEMM_THREADS,
+                self.tiles.smem_bytes(self.tiles.bn1),
+                false,
+                &mut args,
+            )?;
+        }
+        let (mut a2, mut a2s) = (mid, 0u64);
+        if self.fp8 {
+            let (mut mq, mut ms) = (ptr(&s.midq, stream), ptr(&s.mids, stream));
+            a2 = mq;
+            a2s = ms;
+            let rows = max_tiles * self.tiles.bm as usize;
+            let mut args = [arg(&mut mid), arg(&mut ntiles), arg(&mut mq), arg(&mut ms)];
+            let grid = elementwise(rows * spec.intermediate() as usize / 128 * 32);
+            unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, false, &mut args)? };
+        }
+        if !deterministic {
+            let mut y32_view = s.out32.slice_mut(0..m * h);
+            stream.memset_zeros(&mut y32_view)?;
+        }
+        let mut out32 = ptr(&s.out32, stream);
+        let mut weights = p.weights;
+        let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
+        unsafe {
+            let mut args = [
+                arg(&mut a2),
+                arg(&mut a2s),
+                arg(&mut sorted),
+                arg(&mut tile_e),
+                arg(&mut ntiles),
+                arg(&mut w2),
+                arg(&mut w2s),
+                arg(&mut weights),
+                arg(&mut out32),
+            ];
+            launch(gemm2, stream, grid2, GEMM_THREADS, self.tiles.smem_bytes(self.tiles.bn2), false, &mut args)?;
+        }
+        let mut y = p.y;
+        unsafe {
+            if deterministic {
+                let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut m32), arg(&mut y)];
+                launch(&self.fns.combine_rows, stream, elementwise(m * h / 2), ELEMWISE_THREADS, 0, false, &mut args)?;
+            } else {
+                let mut args = [arg(&mut out32), arg(&mut m32), arg(&mut y)];
+                launch(&self.fns.convert, stream, elementwise(m * h), ELEMWISE_THREADS, 0, false, &mut args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
+    pub fn last_routing(&self, stream: &Arc<CudaStream>) -> Result<(Vec<i32>, Vec<f32>)> {
+        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = s.as_ref().expect("a step ran");
+        Ok((stream.clone_dtoh(&s.ids)?, stream.clone_dtoh(&s.weights)?))
+    }
+
+    /// The alignment of the last step, copied back (syncs): `(sorted_rows, pair_pos, tile_expert,
+    /// num_tiles)`, for tests.
+    pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>, i32)> {
+        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = s.as_ref().expect("a step ran");
+        Ok((
+            stream.clone_dtoh(&s.sorted_rows)?,
+            stream.clone_dtoh(&s.pair_pos)?,
+            stream.clone_dtoh(&s.tile_expert)?,
+            stream.clone_dtoh(&s.num_tiles)?[0],
+        ))
+    }
+}
+
+fn arg<T>(v: &mut T) -> *mut c_void {
+    v as *mut T as *mut c_void
+}
