@@ -89,6 +89,13 @@ fn main() {
         list(&args, "--formats").unwrap_or(vec![WeightFormat::Bf16, WeightFormat::Fp8E4m3]);
     let ms: Vec<usize> = list(&args, "--ms").unwrap_or(vec![64, 256, 1024, 4096, 16384]);
     let deterministic = args.iter().any(|a| a == "--deterministic");
+    // `--tiles 128,128,4,1/256,128,4,1`: bn1,bn2,stages,blocks_per_sm sets to sweep (default: the spec's).
+    let tile_sets: Vec<String> = args
+        .iter()
+        .position(|a| a == "--tiles")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split('/').map(String::from).collect())
+        .unwrap_or_default();
     let dev = match Device::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -113,45 +120,59 @@ fn main() {
             layer.set_validate_routing(false);
             layer.set_prefill_threshold(1);
             layer.set_deterministic(deterministic);
-            for &m in &ms {
-                for (routing, skew) in [("uniform", 0.0), ("skewed", 0.85)] {
-                    let seed = fresh_seed();
-                    let (x, ids, _) = random_step(&spec, m, skew, seed);
-                    let mut rng = SmallRng::seed_from_u64(seed);
-                    let logits = logits_for(&ids, m, e as usize, k as usize, &mut rng);
-                    let s = layer.stream().clone();
-                    let dx = s.clone_htod(&x.iter().map(|&v| Bf::from_f32(v)).collect::<Vec<_>>()).unwrap();
-                    let dl = s.clone_htod(&logits).unwrap();
-                    let mut y: CudaSlice<Bf> = s.alloc_zeros(m * h as usize).unwrap();
-                    layer.reserve(m).unwrap();
-                    assert_eq!(layer.family_for(m), KernelFamily::GroupedGemm);
-                    let g = capture(&s, || layer.forward_logits(&dx, &dl, &mut y)).unwrap();
-                    let reps = if m >= 4096 { 20 } else { 50 };
-                    let us = time_graph(&s, &g, reps).unwrap();
-                    let flops = 2.0 * m as f64 * k as f64 * 3.0 * h as f64 * i as f64;
-                    let tflops = flops / (us * 1e-6) / 1e12;
-                    println!(
-                        "{geo:<14} {format:<10} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {:>5.1}% of dense",
+            let defaults = layer.grouped_tiles().expect("grouped family");
+            let mut tilings: Vec<_> = tile_sets.iter().filter_map(|t| defaults.parse(t)).collect();
+            if tilings.is_empty() {
+                tilings.push(defaults);
+            }
+            for tiles in tilings {
+                if let Err(err) = layer.set_grouped_tiles(&dev, tiles) {
+                    println!("{geo} {format} tiles {tiles:?}: {err}");
+                    continue;
+                }
+                let tname =
+                    format!("{}x{}x{}s{}b{}", tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm);
+                for &m in &ms {
+                    for (routing, skew) in [("uniform", 0.0), ("skewed", 0.85)] {
+                        let seed = fresh_seed();
+                        let (x, ids, _) = random_step(&spec, m, skew, seed);
+                        let mut rng = SmallRng::seed_from_u64(seed);
+                        let logits = logits_for(&ids, m, e as usize, k as usize, &mut rng);
+                        let s = layer.stream().clone();
+                        let dx = s.clone_htod(&x.iter().map(|&v| Bf::from_f32(v)).collect::<Vec<_>>()).unwrap();
+                        let dl = s.clone_htod(&logits).unwrap();
+                        let mut y: CudaSlice<Bf> = s.alloc_zeros(m * h as usize).unwrap();
+                        layer.reserve(m).unwrap();
+                        assert_eq!(layer.family_for(m), KernelFamily::GroupedGemm);
+                        let g = capture(&s, || layer.forward_logits(&dx, &dl, &mut y)).unwrap();
+                        let reps = if m >= 4096 { 20 } else { 50 };
+                        let us = time_graph(&s, &g, reps).unwrap();
+                        let flops = 2.0 * m as f64 * k as f64 * 3.0 * h as f64 * i as f64;
+                        let tflops = flops / (us * 1e-6) / 1e12;
+                        println!(
+                        "{geo:<14} {format:<10} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {:>5.1}% of dense",
                         100.0 * tflops / dense
                     );
-                    if let Some(f) = out.as_mut() {
-                        use std::io::Write;
-                        let row = serde_json::json!({
-                            "device": dev.name(),
-                            "family": "grouped_gemm",
-                            "format": format.name(),
-                            "geometry": geo,
-                            "hidden": h, "intermediate": i, "experts": e, "top_k": k,
-                            "m": m,
-                            "routing": routing,
-                            "combine": if deterministic { "deterministic" } else { "atomic" },
-                            "median_us": (us * 1000.0).round() / 1000.0,
-                            "tflops": (tflops * 10.0).round() / 10.0,
-                            "dense_bf16_tflops": (dense * 10.0).round() / 10.0,
-                            "pct_of_dense": (10000.0 * tflops / dense).round() / 100.0,
-                            "date": today(),
-                        });
-                        writeln!(f, "{row}").unwrap();
+                        if let Some(f) = out.as_mut() {
+                            use std::io::Write;
+                            let row = serde_json::json!({
+                                "device": dev.name(),
+                                "family": "grouped_gemm",
+                                "format": format.name(),
+                                "geometry": geo,
+                                "hidden": h, "intermediate": i, "experts": e, "top_k": k,
+                                "m": m,
+                                "routing": routing,
+                                "tiles": tname,
+                                "combine": if deterministic { "deterministic" } else { "atomic" },
+                                "median_us": (us * 1000.0).round() / 1000.0,
+                                "tflops": (tflops * 10.0).round() / 10.0,
+                                "dense_bf16_tflops": (dense * 10.0).round() / 10.0,
+                                "pct_of_dense": (10000.0 * tflops / dense).round() / 100.0,
+                                "date": today(),
+                            });
+                            writeln!(f, "{row}").unwrap();
+                        }
                     }
                 }
             }

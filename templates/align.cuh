@@ -1,32 +1,41 @@
 // Alignment: the (token, slot) pairs `p = t * TOP_K + s` regrouped by expert into tiles of BM
-// rows, each expert's rows padded to a whole tile. One block, no host synchronisation; buffers
-// are sized by the host from upper bounds (max_tiles(pairs)).
+// rows, each expert's rows padded to a whole tile. Three kernels, no host synchronisation; the
+// host sizes every buffer from upper bounds (max_tiles(pairs)).
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
-// Out-of-range ids are skipped and counted in *errors.
+// Out-of-range ids are skipped and counted in *errors. `counts` is zero on entry to
+// moe_align_count and left zero by moe_align_scan for the next step.
 constexpr int ALIGN_THREADS = 1024;
 static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
 
+// Histogram of expert ids: per block in shared memory, then into counts[E].
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align(const int* __restrict__ ids, int pairs, int* __restrict__ sorted_rows, int* __restrict__ pair_pos,
-          int* __restrict__ tile_expert, int* __restrict__ num_tiles, int* __restrict__ errors) {
-    __shared__ int count[EXPERTS];
-    __shared__ int cursor[EXPERTS];
-    __shared__ int warp_total[ALIGN_THREADS / 32];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    for (int e = tid; e < EXPERTS; e += ALIGN_THREADS) count[e] = 0;
+moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts, int* __restrict__ errors) {
+    __shared__ int hist[EXPERTS];
+    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) hist[e] = 0;
     __syncthreads();
     int bad = 0;
-    for (int p = tid; p < pairs; p += ALIGN_THREADS) {
+    for (int p = blockIdx.x * ALIGN_THREADS + threadIdx.x; p < pairs; p += gridDim.x * ALIGN_THREADS) {
         const int e = ids[p];
-        if (e >= 0 && e < EXPERTS) atomicAdd(&count[e], 1);
+        if (e >= 0 && e < EXPERTS) atomicAdd(&hist[e], 1);
         else ++bad;
     }
     if (bad) atomicAdd(errors, bad);
     __syncthreads();
-    // Exclusive scan of tiles per expert: one thread per expert, warp scans, then the warp totals.
-    const int tiles = tid < EXPERTS ? (count[tid] + BM - 1) / BM : 0;
+    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
+        if (hist[e]) atomicAdd(&counts[e], hist[e]);
+}
+
+// One block: tiles per expert, their exclusive scan, the tile -> expert map, each expert's first
+// row (cursor) and its padding rows.
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+               int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+    __shared__ int warp_total[ALIGN_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int count = tid < EXPERTS ? counts[tid] : 0;
+    const int tiles = (count + BM - 1) / BM;
     int incl = tiles;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -50,12 +59,21 @@ moe_align(const int* __restrict__ ids, int pairs, int* __restrict__ sorted_rows,
     if (tid < EXPERTS) {
         for (int j = 0; j < tiles; ++j) tile_expert[first_tile + j] = tid;
         cursor[tid] = first_tile * BM;
+        for (int pos = first_tile * BM + count; pos < (first_tile + tiles) * BM; ++pos) sorted_rows[pos] = -1;
+        counts[tid] = 0;
     }
-    __syncthreads();
-    // Scatter with warp-aggregated atomics: lanes with the same expert take consecutive rows.
-    const int rounds = (pairs + ALIGN_THREADS - 1) / ALIGN_THREADS;
+}
+
+// Each pair takes the next row of its expert; lanes of a warp with the same expert take
+// consecutive rows with one atomic.
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+moe_align_scatter(const int* __restrict__ ids, int pairs, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                  int* __restrict__ pair_pos) {
+    const int lane = threadIdx.x % 32;
+    const int stride = gridDim.x * ALIGN_THREADS;
+    const int rounds = (pairs + stride - 1) / stride;
     for (int r = 0; r < rounds; ++r) {
-        const int p = r * ALIGN_THREADS + tid;
+        const int p = r * stride + blockIdx.x * ALIGN_THREADS + threadIdx.x;
         const int e = p < pairs ? ids[p] : -1;
         const bool ok = e >= 0 && e < EXPERTS;
         const unsigned peers = __match_any_sync(MOE_FULL_MASK, ok ? e : -1);
@@ -71,7 +89,4 @@ moe_align(const int* __restrict__ ids, int pairs, int* __restrict__ sorted_rows,
             pair_pos[p] = -1;
         }
     }
-    __syncthreads();
-    if (tid < EXPERTS)
-        for (int pos = cursor[tid]; pos < (first_tile + tiles) * BM; ++pos) sorted_rows[pos] = -1;
 }

@@ -8,6 +8,12 @@
 // (+ 8 for i >= 2) and columns col0 + 8 nf + 2 (lane % 4) (+ 1 for odd i), the mma C layout.
 constexpr int BK_BYTES = 128;
 constexpr int GEMM_THREADS = 256;
+// bf16 on wgmma leaves one k-tile's MMAs in flight while the next is issued; fp8 must read each
+// k-tile's partial sums (to scale them), so it waits. A stage is refilled only once no MMA in
+// flight can still read it, which leaves STAGES - 1 - INFLIGHT k-tiles loading ahead.
+constexpr int INFLIGHT = (MOE_WGMMA && !FP8) ? 1 : 0;
+constexpr int AHEAD = STAGES - 1 - INFLIGHT;
+static_assert(AHEAD >= 1, "at least one k-tile loading ahead");
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -117,7 +123,7 @@ __device__ __forceinline__ void mma_stage(unsigned sa, unsigned sb, float* acc, 
     for (int ks = 0; ks < 4; ++ks)
         Wgmma<BN>::mma(acc, wgmma_desc(sa + wg * 64 * 128 + 32 * ks), wgmma_desc(sb + 32 * ks), (fresh && ks == 0) ? 0 : 1);
     wgmma_commit();
-    wgmma_wait0();
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(INFLIGHT) : "memory");
 #else
     if (fresh)
 #pragma unroll
@@ -144,49 +150,71 @@ __device__ __forceinline__ void mma_stage(unsigned sa, unsigned sb, float* acc, 
 #endif
 }
 
-// The mainloop over KT k-tiles. `a_src[j]` / `b_src[j]`: this thread's row pointers (bytes) for
-// its A / B chunks, null for padding rows (zero-filled). FP8 operands carry a scale per 128 of K:
-// each k-tile is reduced into `part`, then promote(kt, part) folds it into acc in fp32.
-template <int BN, int KT, class Promote>
-__device__ __forceinline__ void gemm_tile(char* smem, const char* const (&a_src)[TileShape<BN>::A_PER_THREAD],
-                                          const char* const (&b_src)[TileShape<BN>::B_PER_THREAD], float* acc,
-                                          float* part, Promote promote) {
+// The persistent mainloop: this block's work items w = blockIdx.x, + gridDim.x, ... < work, each
+// KT k-tiles, flattened into one stream of k-tiles so that the loads of the next item are in
+// flight during the current item's epilogue (the pipeline never drains between items).
+//   setup(w, a_src, b_src): this thread's row pointers (bytes) of item w for its A / B chunks,
+//                           null A rows are padding (zero-filled);
+//   promote(w, kt, part, acc): FP8 only, folds k-tile kt's partial sums into the accumulator;
+//   epilogue(w, acc):       consumes the finished accumulator of item w.
+template <int BN, int KT, class Setup, class Promote, class Epilogue>
+__device__ __forceinline__ void gemm_persistent(char* smem, int work, Setup setup, Promote promote, Epilogue epilogue) {
     using T = TileShape<BN>;
     const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
     const int c = threadIdx.x % 8, r0 = threadIdx.x / 8;
-    auto load = [&](int stage, int kt) {
-        const unsigned sa = base + stage * T::STAGE_BYTES, sb = sa + T::A_BYTES;
+    const int items = blockIdx.x < work ? (work - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int total = items * KT;
+    const char* a_src[T::A_PER_THREAD];
+    const char* b_src[T::B_PER_THREAD];
+    int loaded = 0;  // k-tiles issued so far (the producer's position)
+    auto load_next = [&]() {
+        if (loaded < total) {
+            const int kt = loaded % KT;
+            if (kt == 0) setup(blockIdx.x + (loaded / KT) * gridDim.x, a_src, b_src);
+            const unsigned sa = base + (loaded % STAGES) * T::STAGE_BYTES, sb = sa + T::A_BYTES;
 #pragma unroll
-        for (int j = 0; j < T::A_PER_THREAD; ++j) {
-            const char* p = a_src[j];
-            cp_async16(sa + swz(r0 + 32 * j, c), p ? p + kt * BK_BYTES + c * 16 : b_src[0], p != nullptr);
+            for (int j = 0; j < T::A_PER_THREAD; ++j) {
+                const char* p = a_src[j];
+                cp_async16(sa + swz(r0 + 32 * j, c), p ? p + kt * BK_BYTES + c * 16 : b_src[0], p != nullptr);
+            }
+#pragma unroll
+            for (int j = 0; j < T::B_PER_THREAD; ++j)
+                cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
+            ++loaded;
         }
-#pragma unroll
-        for (int j = 0; j < T::B_PER_THREAD; ++j) cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
+        cp_async_commit();  // empty groups keep the wait counts uniform
     };
+    float acc[T::ACC];
+    float part[FP8 ? T::ACC : 1];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load(s, s);
-        cp_async_commit();
-    }
+    for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) load_next();
 #pragma unroll 1
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();
+    for (int g = 0; g < total; ++g) {
+        cp_async_wait<AHEAD - 1>();
 #if MOE_WGMMA
         fence_async_smem();
 #endif
         __syncthreads();
-        const int next = kt + STAGES - 1;
-        if (next < KT) load(next % STAGES, next);
-        cp_async_commit();
-        const unsigned sa = base + (kt % STAGES) * T::STAGE_BYTES;
+        load_next();
+        const int kt = g % KT, w = blockIdx.x + (g / KT) * gridDim.x;
+        const unsigned sa = base + (g % STAGES) * T::STAGE_BYTES;
         if (FP8) {
+            if (kt == 0)
+#pragma unroll
+                for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
             mma_stage<BN>(sa, sa + T::A_BYTES, part, true);
-            promote(kt, part);
+            promote(w, kt, part, acc);
         } else {
             mma_stage<BN>(sa, sa + T::A_BYTES, acc, kt == 0);
         }
+        if (kt == KT - 1) {
+#if MOE_WGMMA
+            wgmma_wait0();
+#endif
+            epilogue(w, acc);
+        }
     }
     cp_async_wait<0>();
-    __syncthreads();  // the next tile's prologue overwrites these stages
 }

@@ -26,6 +26,9 @@ pub struct GemmTiles {
     pub bn2: u32,
     /// Shared-memory stages (k-tiles of 128 bytes in flight).
     pub stages: u32,
+    /// GEMM blocks meant to be resident per SM (their `__launch_bounds__`): two blocks hide each
+    /// other's barriers, epilogues and pipeline fills, at half the registers and shared memory.
+    pub blocks_per_sm: u32,
     pub mma: Mma,
 }
 
@@ -33,7 +36,7 @@ pub struct GemmTiles {
 pub const GEMM_THREADS: u32 = 256;
 /// Threads per block of the router (one warp per token).
 pub const ROUTE_THREADS: u32 = 128;
-/// Threads of the single alignment block.
+/// Threads per block of the alignment kernels.
 pub const ALIGN_THREADS: u32 = 1024;
 /// Threads per block of the element-wise kernels (quantize, combine, convert).
 pub const ELEMWISE_THREADS: u32 = 256;
@@ -42,7 +45,7 @@ const BK_BYTES: u32 = 128;
 
 impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
-    /// divides (else 64), four stages; wgmma on sm_90a.
+    /// divides (else 64), four stages, one block per SM; wgmma on sm_90a.
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
         let bn = |n: u32| if n % 128 == 0 { 128 } else { 64 };
         GemmTiles {
@@ -50,8 +53,16 @@ impl GemmTiles {
             bn1: if spec.intermediate() % 64 == 0 { 128 } else { 64 },
             bn2: bn(spec.hidden()),
             stages: 4,
+            blocks_per_sm: 1,
             mma: if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync },
         }
+    }
+
+    /// Parse `bn1,bn2,stages,blocks_per_sm` (e.g. `128,128,4,1`) over these defaults.
+    pub fn parse(self, s: &str) -> Option<GemmTiles> {
+        let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
+        let [bn1, bn2, stages, blocks_per_sm] = v[..] else { return None };
+        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, ..self })
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns.
@@ -118,6 +129,7 @@ struct GroupedGemmCu {
     bn1: u32,
     bn2: u32,
     stages: u32,
+    blocks_per_sm: u32,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -136,12 +148,18 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         return Err(unsupported("wgmma (it needs sm_90a)".into()));
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
+    let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+    let inflight = (tiles.mma == Mma::Wgmma && !fp8) as u32;
     if tiles.bm != 128
-        || tiles.stages < 2
+        || tiles.stages < 2 + inflight
         || !matches!(tiles.bn2, 64 | 128 | 256)
         || !matches!(tiles.bn1, 64 | 128 | 256)
+        || !matches!(tiles.blocks_per_sm, 1 | 2)
     {
-        return Err(unsupported(format!("tiles {tiles:?} (bm 128, bn 64/128/256, stages >= 2)")));
+        return Err(unsupported(format!(
+            "tiles {tiles:?} (bm 128, bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
+            2 + inflight
+        )));
     }
     if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
         return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
@@ -171,7 +189,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         Mma::Wgmma => "wgmma",
         Mma::MmaSync => "mma",
     };
-    let name = format!("{family}_{}_bm{}n{}n{}s{}_{mma_name}", spec.id(), tiles.bm, tiles.bn1, tiles.bn2, tiles.stages);
+    let t = tiles;
+    let name =
+        format!("{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}", spec.id(), t.bm, t.bn1, t.bn2, t.stages, t.blocks_per_sm);
     let t = GroupedGemmCu {
         name: name.clone(),
         wgmma: (tiles.mma == Mma::Wgmma) as u32,
@@ -185,6 +205,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         bn1: tiles.bn1,
         bn2: tiles.bn2,
         stages: tiles.stages,
+        blocks_per_sm: tiles.blocks_per_sm,
         elem_bytes,
         wscale,
         mma_type,
@@ -201,7 +222,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
 pub fn entry_points() -> Vec<String> {
     [
         "moe_route",
-        "moe_align",
+        "moe_align_count",
+        "moe_align_scan",
+        "moe_align_scatter",
         "moe_quant_x",
         "moe_quant_mid",
         "moe_gemm1",

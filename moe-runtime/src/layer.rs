@@ -292,6 +292,18 @@ impl MoeLayer {
         Ok(())
     }
 
+    /// Rebuild the grouped family with other tiles (benchmarks sweep them this way).
+    pub fn set_grouped_tiles(&mut self, device: &Device, tiles: moe_codegen::GemmTiles) -> Result<()> {
+        let src = moe_codegen::render_grouped(&self.spec, device.arch(), tiles)?;
+        self.grouped = Ok(GroupedPath::with_source(device, &self.spec, tiles, &src)?);
+        Ok(())
+    }
+
+    /// The grouped family's tiles, if the layer has that family.
+    pub fn grouped_tiles(&self) -> Option<moe_codegen::GemmTiles> {
+        self.grouped.as_ref().ok().map(|g| g.tiles)
+    }
+
     /// The family `forward` uses for a step of `m` tokens.
     pub fn family_for(&self, m: usize) -> KernelFamily {
         if m >= self.prefill_threshold && self.grouped.is_ok() {

@@ -28,7 +28,9 @@ pub(crate) struct StepPtrs {
 
 struct Fns {
     route: CudaFunction,
-    align: CudaFunction,
+    align_count: CudaFunction,
+    align_scan: CudaFunction,
+    align_scatter: CudaFunction,
     quant_x: CudaFunction,
     quant_mid: CudaFunction,
     gemm1: CudaFunction,
@@ -43,6 +45,9 @@ struct Scratch {
     tokens: usize,
     deterministic: bool,
     sorted_rows: CudaSlice<i32>,
+    /// Per-expert pair counts (left zero by each step) and first free rows.
+    counts: CudaSlice<i32>,
+    cursor: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
     num_tiles: CudaSlice<i32>,
@@ -83,7 +88,9 @@ impl GroupedPath {
         let f = |name: &str| module.load_function(name);
         let fns = Fns {
             route: f("moe_route")?,
-            align: f("moe_align")?,
+            align_count: f("moe_align_count")?,
+            align_scan: f("moe_align_scan")?,
+            align_scatter: f("moe_align_scatter")?,
             quant_x: f("moe_quant_x")?,
             quant_mid: f("moe_quant_mid")?,
             gemm1: f("moe_gemm1")?,
@@ -140,6 +147,8 @@ impl GroupedPath {
             tokens,
             deterministic,
             sorted_rows: stream.alloc_zeros(rows)?,
+            counts: stream.alloc_zeros(spec.experts() as usize)?,
+            cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
             num_tiles: stream.alloc_zeros(1)?,
@@ -191,17 +200,15 @@ impl GroupedPath {
             ptr(&s.num_tiles, stream),
         );
         let (mut ids, mut errors) = (p.ids, p.errors);
+        let (mut counts, mut cursor) = (ptr(&s.counts, stream), ptr(&s.cursor, stream));
+        let align_grid = (pairs.div_ceil(ALIGN_THREADS as usize) as u32).clamp(1, self.sms);
         unsafe {
-            let mut args = [
-                arg(&mut ids),
-                arg(&mut pairs32),
-                arg(&mut sorted),
-                arg(&mut pos),
-                arg(&mut tile_e),
-                arg(&mut ntiles),
-                arg(&mut errors),
-            ];
-            launch(&self.fns.align, stream, 1, ALIGN_THREADS, 0, false, &mut args)?;
+            let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut counts), arg(&mut errors)];
+            launch(&self.fns.align_count, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
+            let mut args = [arg(&mut counts), arg(&mut cursor), arg(&mut sorted), arg(&mut tile_e), arg(&mut ntiles)];
+            launch(&self.fns.align_scan, stream, 1, ALIGN_THREADS, 0, false, &mut args)?;
+            let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut cursor), arg(&mut sorted), arg(&mut pos)];
+            launch(&self.fns.align_scatter, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
         }
         let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
         // GEMM1's A operand: x itself, or its e4m3 copy.

@@ -151,6 +151,10 @@ fn check(
                     for (f, regs, spill, stack) in resource_report(&c.log) {
                         line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
                     }
+                    // ptxas warnings, e.g. wgmma serialized for lack of registers.
+                    for w in c.log.lines().filter(|l| l.contains("warning")) {
+                        line += &format!("\n        {w}");
+                    }
                 }
                 Outcome::Ok(line)
             }
