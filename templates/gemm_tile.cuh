@@ -150,71 +150,52 @@ __device__ __forceinline__ void mma_stage(unsigned sa, unsigned sb, float* acc, 
 #endif
 }
 
-// The persistent mainloop: this block's work items w = blockIdx.x, + gridDim.x, ... < work, each
-// KT k-tiles, flattened into one stream of k-tiles so that the loads of the next item are in
-// flight during the current item's epilogue (the pipeline never drains between items).
-//   setup(w, a_src, b_src): this thread's row pointers (bytes) of item w for its A / B chunks,
-//                           null A rows are padding (zero-filled);
-//   promote(w, kt, part, acc): FP8 only, folds k-tile kt's partial sums into the accumulator;
-//   epilogue(w, acc):       consumes the finished accumulator of item w.
-template <int BN, int KT, class Setup, class Promote, class Epilogue>
-__device__ __forceinline__ void gemm_persistent(char* smem, int work, Setup setup, Promote promote, Epilogue epilogue) {
+// The mainloop over KT k-tiles. `a_src[j]` / `b_src[j]`: this thread's row pointers (bytes) for
+// its A / B chunks, null for padding rows (zero-filled). FP8 operands carry a scale per 128 of K:
+// each k-tile is reduced into `part`, then promote(kt, part) folds it into acc in fp32.
+template <int BN, int KT, class Promote>
+__device__ __forceinline__ void gemm_tile(char* smem, const char* const (&a_src)[TileShape<BN>::A_PER_THREAD],
+                                          const char* const (&b_src)[TileShape<BN>::B_PER_THREAD], float* acc,
+                                          float* part, Promote promote) {
     using T = TileShape<BN>;
     const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
     const int c = threadIdx.x % 8, r0 = threadIdx.x / 8;
-    const int items = blockIdx.x < work ? (work - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    const int total = items * KT;
-    const char* a_src[T::A_PER_THREAD];
-    const char* b_src[T::B_PER_THREAD];
-    int loaded = 0;  // k-tiles issued so far (the producer's position)
-    auto load_next = [&]() {
-        if (loaded < total) {
-            const int kt = loaded % KT;
-            if (kt == 0) setup(blockIdx.x + (loaded / KT) * gridDim.x, a_src, b_src);
-            const unsigned sa = base + (loaded % STAGES) * T::STAGE_BYTES, sb = sa + T::A_BYTES;
+    auto load = [&](int stage, int kt) {
+        const unsigned sa = base + stage * T::STAGE_BYTES, sb = sa + T::A_BYTES;
 #pragma unroll
-            for (int j = 0; j < T::A_PER_THREAD; ++j) {
-                const char* p = a_src[j];
-                cp_async16(sa + swz(r0 + 32 * j, c), p ? p + kt * BK_BYTES + c * 16 : b_src[0], p != nullptr);
-            }
-#pragma unroll
-            for (int j = 0; j < T::B_PER_THREAD; ++j)
-                cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
-            ++loaded;
+        for (int j = 0; j < T::A_PER_THREAD; ++j) {
+            const char* p = a_src[j];
+            cp_async16(sa + swz(r0 + 32 * j, c), p ? p + kt * BK_BYTES + c * 16 : b_src[0], p != nullptr);
         }
-        cp_async_commit();  // empty groups keep the wait counts uniform
+#pragma unroll
+        for (int j = 0; j < T::B_PER_THREAD; ++j) cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
     };
-    float acc[T::ACC];
-    float part[FP8 ? T::ACC : 1];
 #pragma unroll
-    for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) load_next();
+    for (int s = 0; s < AHEAD; ++s) {
+        if (s < KT) load(s, s);
+        cp_async_commit();
+    }
 #pragma unroll 1
-    for (int g = 0; g < total; ++g) {
+    for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<AHEAD - 1>();
 #if MOE_WGMMA
         fence_async_smem();
 #endif
         __syncthreads();
-        load_next();
-        const int kt = g % KT, w = blockIdx.x + (g / KT) * gridDim.x;
-        const unsigned sa = base + (g % STAGES) * T::STAGE_BYTES;
+        const int next = kt + AHEAD;
+        if (next < KT) load(next % STAGES, next);
+        cp_async_commit();
+        const unsigned sa = base + (kt % STAGES) * T::STAGE_BYTES;
         if (FP8) {
-            if (kt == 0)
-#pragma unroll
-                for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
             mma_stage<BN>(sa, sa + T::A_BYTES, part, true);
-            promote(w, kt, part, acc);
+            promote(kt, part);
         } else {
             mma_stage<BN>(sa, sa + T::A_BYTES, acc, kt == 0);
         }
-        if (kt == KT - 1) {
-#if MOE_WGMMA
-            wgmma_wait0();
-#endif
-            epilogue(w, acc);
-        }
     }
+#if MOE_WGMMA
+    wgmma_wait0();
+#endif
     cp_async_wait<0>();
+    __syncthreads();  // the next tile's prologue overwrites these stages
 }

@@ -78,9 +78,13 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
           const int* __restrict__ tile_expert, const int* __restrict__ num_tiles, const void* __restrict__ w13,
           const float* __restrict__ w13_scales, act_t* __restrict__ mid) {
     using T = TileShape<BN1>;
+    const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();
-    auto setup = [&](int w, const char* (&a_src)[T::A_PER_THREAD], const char* (&b_src)[T::B_PER_THREAD]) {
-        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2), e = tile_expert[tile];
+    for (int w = blockIdx.x; w < work; w += gridDim.x) {
+        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2);
+        const int e = tile_expert[tile];
+        const char* a_src[T::A_PER_THREAD];
+        const char* b_src[T::B_PER_THREAD];
 #pragma unroll
         for (int j = 0; j < T::A_PER_THREAD; ++j) {
             const int p = sorted_rows[tile * BM + threadIdx.x / 8 + 32 * j];
@@ -92,39 +96,35 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
             const int n = nb + 8 * (col / 16) + col % 8 + (col % 16 >= 8 ? INTER : 0);
             b_src[j] = (const char*)w13 + ((long)e * 2 * INTER + n) * HIDDEN * ELEM_BYTES;
         }
-    };
-    // FP8: fold each k-tile in with its activation scale (per row) and block weight scale.
-    const float* as[T::MF * 2];
-    const float *gate_bs = nullptr, *up_bs = nullptr;
-    auto promote = [&](int w, int kt, const float* pt, float* acc) {
-        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2);
-        if (kt == 0) {
-            const int e = tile_expert[tile];
+        float acc[T::ACC];
+        float part[FP8 ? T::ACC : 1];
 #pragma unroll
-            for (int j = 0; j < T::MF * 2; ++j) {
-                const int p = sorted_rows[tile * BM + frag_row(row0, j / 2, 2 * (j % 2))];
-                as[j] = a_scales + (long)(p < 0 ? 0 : p / TOP_K) * KT1;
-            }
-            gate_bs = w13_scales + ((long)e * 2 * INTER + nb) / 128 * KT1;
-            up_bs = w13_scales + ((long)e * 2 * INTER + INTER + nb) / 128 * KT1;
+        for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
+        // FP8: fold each k-tile in with its activation scale (per row) and block weight scale.
+        const float* as[T::MF * 2];
+#pragma unroll
+        for (int j = 0; j < T::MF * 2; ++j) {
+            const int p = sorted_rows[tile * BM + frag_row(row0, j / 2, 2 * (j % 2))];
+            as[j] = a_scales + (long)(p < 0 ? 0 : p / TOP_K) * KT1;
         }
-        const float bg = WSCALE == 2 ? gate_bs[kt] : 1.f, bu = WSCALE == 2 ? up_bs[kt] : 1.f;
+        const float* gate_bs = w13_scales + ((long)e * 2 * INTER + nb) / 128 * KT1;
+        const float* up_bs = w13_scales + ((long)e * 2 * INTER + INTER + nb) / 128 * KT1;
+        gemm_tile<BN1, KT1>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
+            const float bg = WSCALE == 2 ? gate_bs[kt] : 1.f, bu = WSCALE == 2 ? up_bs[kt] : 1.f;
 #pragma unroll
-        for (int mf = 0; mf < T::MF; ++mf)
+            for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float sa = as[2 * mf + h][kt];
+                for (int h = 0; h < 2; ++h) {
+                    const float sa = as[2 * mf + h][kt];
 #pragma unroll
-                for (int nf = 0; nf < T::NF; ++nf)
+                    for (int nf = 0; nf < T::NF; ++nf)
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
-                        acc[j] += pt[j] * sa * ((nf % 2) ? bu : bg);
-                    }
-            }
-    };
-    auto epilogue = [&](int w, const float* acc) {
-        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2), e = tile_expert[tile];
+                        for (int i = 0; i < 2; ++i) {
+                            const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
+                            acc[j] += pt[j] * sa * ((nf % 2) ? bu : bg);
+                        }
+                }
+        });
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
@@ -145,8 +145,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                     out[1] = (act_t)(moe_act(g[1] * sg1) * (u[1] * su1));
                 }
             }
-    };
-    gemm_persistent<BN1, KT1>(smem, *num_tiles * NT1, setup, promote, epilogue);
+    }
 }
 
 // GEMM2: out = weight_p * (mid[pos] . w2_n) for the pair p in row pos. ATOMIC: added into the
@@ -158,38 +157,41 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
                                       float* __restrict__ out) {
     using T = TileShape<BN2>;
+    const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
-    // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
-    auto setup = [&](int w, const char* (&a_src)[T::A_PER_THREAD], const char* (&b_src)[T::B_PER_THREAD]) {
-        const int tile = w / NT2, nb = (w % NT2) * BN2, e = tile_expert[tile];
+    for (int w = blockIdx.x; w < work; w += gridDim.x) {
+        const int tile = w / NT2, nb = (w % NT2) * BN2;
+        const int e = tile_expert[tile];
+        const char* a_src[T::A_PER_THREAD];
+        const char* b_src[T::B_PER_THREAD];
+        // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
 #pragma unroll
         for (int j = 0; j < T::A_PER_THREAD; ++j)
             a_src[j] = (const char*)a + (long)(tile * BM + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
 #pragma unroll
         for (int j = 0; j < T::B_PER_THREAD; ++j)
             b_src[j] = (const char*)w2 + ((long)e * HIDDEN + nb + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
-    };
-    const float* bs = nullptr;
-    auto promote = [&](int w, int kt, const float* pt, float* acc) {
-        const int tile = w / NT2, nb = (w % NT2) * BN2;
-        if (kt == 0) bs = w2_scales + ((long)tile_expert[tile] * HIDDEN + nb) / 128 * KT2;
-        const float b = WSCALE == 2 ? bs[kt] : 1.f;
+        float acc[T::ACC];
+        float part[FP8 ? T::ACC : 1];
 #pragma unroll
-        for (int mf = 0; mf < T::MF; ++mf)
+        for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
+        const float* bs = w2_scales + ((long)e * HIDDEN + nb) / 128 * KT2;
+        gemm_tile<BN2, KT2>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
+            const float b = WSCALE == 2 ? bs[kt] : 1.f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float sa = a_scales[(long)(tile * BM + frag_row(row0, mf, 2 * h)) * KT2 + kt] * b;
+            for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
-                for (int nf = 0; nf < T::NF; ++nf)
+                for (int h = 0; h < 2; ++h) {
+                    const float sa = a_scales[(long)(tile * BM + frag_row(row0, mf, 2 * h)) * KT2 + kt] * b;
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
-                        acc[j] += pt[j] * sa;
-                    }
-            }
-    };
-    auto epilogue = [&](int w, const float* acc) {
-        const int tile = w / NT2, nb = (w % NT2) * BN2, e = tile_expert[tile];
+                    for (int nf = 0; nf < T::NF; ++nf)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            const int j = (mf * T::NF + nf) * 4 + 2 * h + i;
+                            acc[j] += pt[j] * sa;
+                        }
+                }
+        });
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
@@ -214,8 +216,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                     }
                 }
             }
-    };
-    gemm_persistent<BN2, KT2>(smem, *num_tiles * NT2, setup, promote, epilogue);
+    }
 }
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,

@@ -102,7 +102,13 @@ impl GroupedPath {
         let blocks = |g: &CudaFunction, bn: u32| -> Result<u32> {
             let smem = tiles.smem_bytes(bn);
             if smem > device.max_smem_optin() {
-                return Err(RuntimeError::StepTooLarge { m: 0, need: smem, max: device.max_smem_optin() });
+                return Err(RuntimeError::FamilyUnavailable {
+                    family: moe_codegen::KernelFamily::GroupedGemm,
+                    why: format!(
+                        "tiles {tiles:?} need {smem} B of shared memory; the device allows {}",
+                        device.max_smem_optin()
+                    ),
+                });
             }
             g.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
             let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(GEMM_THREADS, smem as usize, None)?;
