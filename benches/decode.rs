@@ -112,6 +112,8 @@ fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> 
     (0..layer_copies(dev, &spec))
         .map(|_| {
             let mut l = MoeLayer::with_source(dev, spec, src.clone(), &w).unwrap();
+            // Warp decode under test: keep every step off the grouped family.
+            l.set_prefill_threshold(usize::MAX);
             l.set_validate_routing(false);
             l.set_fused(fused);
             l

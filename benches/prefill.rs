@@ -89,6 +89,12 @@ fn main() {
         list(&args, "--formats").unwrap_or(vec![WeightFormat::Bf16, WeightFormat::Fp8E4m3]);
     let ms: Vec<usize> = list(&args, "--ms").unwrap_or(vec![64, 256, 1024, 4096, 16384]);
     let deterministic = args.iter().any(|a| a == "--deterministic");
+    // `--with-decode`: time warp decode on the same steps too (where the threshold should sit).
+    let families: Vec<KernelFamily> = if args.iter().any(|a| a == "--with-decode") {
+        vec![KernelFamily::GroupedGemm, KernelFamily::WarpDecode]
+    } else {
+        vec![KernelFamily::GroupedGemm]
+    };
     // `--tiles 128,128,4,1/256,128,4,1`: bn1,bn2,stages,blocks_per_sm sets to sweep (default: the spec's).
     let tile_sets: Vec<String> = args
         .iter()
@@ -132,7 +138,8 @@ fn main() {
                 }
                 let tname =
                     format!("{}x{}x{}s{}b{}", tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm);
-                for &m in &ms {
+                for (&m, &family) in ms.iter().flat_map(|m| families.iter().map(move |f| (m, f))) {
+                    layer.set_prefill_threshold(if family == KernelFamily::GroupedGemm { 1 } else { usize::MAX });
                     for (routing, skew) in [("uniform", 0.0), ("skewed", 0.85)] {
                         let seed = fresh_seed();
                         let (x, ids, _) = random_step(&spec, m, skew, seed);
@@ -143,21 +150,21 @@ fn main() {
                         let dl = s.clone_htod(&logits).unwrap();
                         let mut y: CudaSlice<Bf> = s.alloc_zeros(m * h as usize).unwrap();
                         layer.reserve(m).unwrap();
-                        assert_eq!(layer.family_for(m), KernelFamily::GroupedGemm);
+                        assert_eq!(layer.family_for(m), family);
                         let g = capture(&s, || layer.forward_logits(&dx, &dl, &mut y)).unwrap();
                         let reps = if m >= 4096 { 20 } else { 50 };
                         let us = time_graph(&s, &g, reps).unwrap();
                         let flops = 2.0 * m as f64 * k as f64 * 3.0 * h as f64 * i as f64;
                         let tflops = flops / (us * 1e-6) / 1e12;
                         println!(
-                        "{geo:<14} {format:<10} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {:>5.1}% of dense",
+                        "{geo:<14} {format:<10} {family:<12} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {:>5.1}% of dense",
                         100.0 * tflops / dense
                     );
                         if let Some(f) = out.as_mut() {
                             use std::io::Write;
                             let row = serde_json::json!({
                                 "device": dev.name(),
-                                "family": "grouped_gemm",
+                                "family": family.name(),
                                 "format": format.name(),
                                 "geometry": geo,
                                 "hidden": h, "intermediate": i, "experts": e, "top_k": k,

@@ -226,7 +226,7 @@ fn example(arg: &Arg) -> &'static str {
         "activation" => "silu",
         "act_dtype" => "bf16",
         "archs" => "sm_90a, sm_100a",
-        "families" => "warp_decode",
+        "families" => "warp_decode, grouped_gemm",
         _ => "...",
     }
 }

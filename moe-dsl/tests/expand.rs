@@ -135,3 +135,19 @@ fn load_has_the_runtime_signature() {
         &moeforge::runtime::HostWeights,
     ) -> Result<moeforge::runtime::MoeLayer, moeforge::runtime::RuntimeError> = Qwen3Moe::load;
 }
+
+/// Both families from one description: the prefill module is rendered at expansion too.
+#[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, families = [warp_decode, grouped_gemm],
+             archs = [sm_90a, sm_120a])]
+struct Qwen3Both;
+
+#[test]
+fn grouped_family_sources_equal_the_runtime_render() {
+    assert_eq!(Qwen3Both::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+    for arch in [Arch::Sm90a, Arch::Sm120a] {
+        let k = Qwen3Both::kernel_source(KernelFamily::GroupedGemm, arch).expect("declared");
+        assert_eq!(k, render(&Qwen3Both::SPEC, KernelFamily::GroupedGemm, arch).unwrap());
+        assert!(k.entry_points.contains(&"moe_gemm1".to_string()));
+    }
+    assert!(Qwen3Both::kernel_source(KernelFamily::GroupedGemm, Arch::Sm100a).is_none());
+}

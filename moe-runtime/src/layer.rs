@@ -79,8 +79,10 @@ pub struct MoeLayer {
 }
 
 /// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold`
-/// says otherwise.
-pub const DEFAULT_PREFILL_THRESHOLD: usize = 64;
+/// says otherwise. On an H200 (Qwen3-30B-A3B bf16, benches/results/h200-prefill.json) the grouped
+/// path ran M = 8 in 192 us against 200 us for warp decode (skewed routing: 91 against 146), and
+/// M = 4 in 121 us against 107.
+pub const DEFAULT_PREFILL_THRESHOLD: usize = 8;
 
 /// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
 /// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
@@ -234,10 +236,9 @@ impl MoeLayer {
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
     /// captures) allocate nothing.
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
+        // The grouped module also routes from logits, for either family.
         if let Ok(g) = &self.grouped {
-            if max_tokens >= self.prefill_threshold {
-                g.reserve(&self.stream, &self.spec, max_tokens, self.deterministic)?;
-            }
+            g.reserve(&self.stream, &self.spec, max_tokens, self.deterministic)?;
         }
         self.reserve_decode(max_tokens.min(self.prefill_threshold))
     }
@@ -388,8 +389,8 @@ impl MoeLayer {
         Ok((ids[..n].to_vec(), w[..n].to_vec()))
     }
 
-    /// The grouped path's last alignment (syncs): `(sorted_rows, pair_pos, tile_expert, num_tiles)`.
-    pub fn last_alignment(&self) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>, i32)> {
+    /// The grouped path's last alignment (syncs).
+    pub fn last_alignment(&self) -> Result<crate::prefill::Alignment> {
         self.grouped_path()?.last_alignment(&self.stream)
     }
 

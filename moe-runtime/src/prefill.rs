@@ -26,6 +26,19 @@ pub(crate) struct StepPtrs {
     pub errors: u64,
 }
 
+/// A step's alignment as the device left it (buffers at their reserved sizes).
+#[derive(Debug, Clone)]
+pub struct Alignment {
+    /// Pair in each row of each tile, -1 for padding.
+    pub sorted_rows: Vec<i32>,
+    /// Row of each pair (the combine's inverse map).
+    pub pair_pos: Vec<i32>,
+    /// Expert of each tile.
+    pub tile_expert: Vec<i32>,
+    /// Tiles in use.
+    pub num_tiles: i32,
+}
+
 struct Fns {
     route: CudaFunction,
     align_count: CudaFunction,
@@ -309,15 +322,15 @@ impl GroupedPath {
 
     /// The alignment of the last step, copied back (syncs): `(sorted_rows, pair_pos, tile_expert,
     /// num_tiles)`, for tests.
-    pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>, i32)> {
+    pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<Alignment> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().expect("a step ran");
-        Ok((
-            stream.clone_dtoh(&s.sorted_rows)?,
-            stream.clone_dtoh(&s.pair_pos)?,
-            stream.clone_dtoh(&s.tile_expert)?,
-            stream.clone_dtoh(&s.num_tiles)?[0],
-        ))
+        Ok(Alignment {
+            sorted_rows: stream.clone_dtoh(&s.sorted_rows)?,
+            pair_pos: stream.clone_dtoh(&s.pair_pos)?,
+            tile_expert: stream.clone_dtoh(&s.tile_expert)?,
+            num_tiles: stream.clone_dtoh(&s.num_tiles)?[0],
+        })
     }
 }
 

@@ -60,6 +60,8 @@ fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
     let seed = fresh_seed();
     let w = random_weights(&spec, seed);
     let mut layer = MoeLayer::load(dev, spec, &w).unwrap();
+    // Warp decode under test: keep every step off the grouped family.
+    layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(true);
     for (n, &m) in ms.iter().enumerate() {
         let case_seed = seed.wrapping_add(1 + n as u64);
@@ -124,6 +126,8 @@ fn gelu_and_every_token_on_one_expert() {
     // skew 1.0 with e / 8 < k: every token draws from the same k experts.
     let w = random_weights(&spec, fresh_seed());
     let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    // Warp decode under test: keep every step off the grouped family.
+    layer.set_prefill_threshold(usize::MAX);
     let (rel, cos) = check_case::<half::bf16>(&mut layer, &w, 40, 1.0, fresh_seed());
     assert!(rel <= 5e-3 && cos >= 0.99999, "rel {rel} cos {cos}");
 }
@@ -135,6 +139,8 @@ fn graph_capture_and_replay() {
     let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
     let w = random_weights(&spec, fresh_seed());
     let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    // Warp decode under test: keep every step off the grouped family.
+    layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(false);
     for fused in [true, false] {
         layer.set_fused(fused);
@@ -183,6 +189,8 @@ fn bad_input_is_a_typed_error() {
     let spec = MoeSpec::builder(512, 256, 16, 2).build().unwrap();
     let w = random_weights(&spec, fresh_seed());
     let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    // Warp decode under test: keep every step off the grouped family.
+    layer.set_prefill_threshold(usize::MAX);
     let (x, mut ids, rw) = random_step(&spec, 3, 0.0, fresh_seed());
     ids[3] = 16;
     layer.set_validate_routing(true);

@@ -115,7 +115,8 @@ fn alignment_cases(k: usize) {
             let x = up(&layer, &bf(&vec![0.1; m * 256]));
             let mut y = poisoned(&layer, m * 256);
             layer.forward_family(KernelFamily::GroupedGemm, &x, &up(&layer, &ids), &up(&layer, &w), &mut y).unwrap();
-            let (sorted, pos, tile_e, ntiles) = layer.last_alignment().unwrap();
+            let a = layer.last_alignment().unwrap();
+            let (sorted, pos, tile_e, ntiles) = (a.sorted_rows, a.pair_pos, a.tile_expert, a.num_tiles);
             let mut count = vec![0usize; e];
             ids.iter().for_each(|&i| count[i as usize] += 1);
             let want_tiles: usize = count.iter().map(|c| c.div_ceil(128)).sum();
