@@ -6,20 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-cuda.sh >/dev/null
 rm -rf gpu-bundle && mkdir -p gpu-bundle
-bin() { # newest executable cargo reported for a target
-  cargo "$@" --message-format=json 2>/dev/null | python3 -c '
-import json, sys
+bin() { # the executable cargo reported for target $1 (rest: the cargo command)
+  local name=$1; shift
+  cargo "$@" --message-format=json 2>/dev/null | NAME=$name python3 -c '
+import json, os, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["NAME"]:
         print(m["executable"])'
 }
 for t in gpu_decode gpu_formats gpu_prefill; do
-  cp "$(bin test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
+  cp "$(bin $t test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
 done
-cp "$(bin bench --bench decode --no-run | tail -1)" gpu-bundle/decode
-cp "$(bin bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
-cp "$(bin build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
+cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
+cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
+cp "$(bin qwen3_decode build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
 cargo build --release -q -p moe-runtime --bin moe-jit && cp target/release/moe-jit gpu-bundle/
 strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh
 du -sh gpu-bundle

@@ -79,10 +79,10 @@ pub struct MoeLayer {
 }
 
 /// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold`
-/// says otherwise. On an H200 (Qwen3-30B-A3B bf16, benches/results/h200-prefill.json) the grouped
-/// path ran M = 8 in 192 us against 200 us for warp decode (skewed routing: 91 against 146), and
-/// M = 4 in 121 us against 107.
-pub const DEFAULT_PREFILL_THRESHOLD: usize = 8;
+/// says otherwise. Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the
+/// grouped path took 355 us against 381 us for warp decode with uniform routing (111 against 293
+/// skewed); at M = 8 warp decode still won with uniform routing (207 against 235 us).
+pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
 
 /// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
 /// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
