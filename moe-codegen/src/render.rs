@@ -258,10 +258,10 @@ pub fn render_dequant_probe(
 
 /// Threads per block of a family's kernels for a spec: what [`render`] puts in
 /// [`KernelSource::block_threads`].
-pub fn block_threads(spec: &MoeSpec, family: KernelFamily) -> u32 {
+pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
     match family {
         KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).warps * 32,
-        KernelFamily::GroupedGemm => grouped::GEMM_THREADS,
+        KernelFamily::GroupedGemm => grouped::GemmTiles::for_spec(spec, arch).gemm_threads(),
     }
 }
 

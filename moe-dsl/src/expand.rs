@@ -173,7 +173,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                     name: ::std::string::ToString::to_string(name),
                     source: ::std::string::ToString::to_string(source),
                     entry_points: #cg::render::entry_points(family),
-                    block_threads: #cg::render::block_threads(&Self::SPEC, family),
+                    block_threads: #cg::render::block_threads(&Self::SPEC, family, arch),
                 })
             }
 

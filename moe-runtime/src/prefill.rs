@@ -8,7 +8,7 @@ use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::layer::{launch, ptr};
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, GEMM_THREADS, ROUTE_THREADS};
+use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
 use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -124,7 +124,7 @@ impl GroupedPath {
                 });
             }
             g.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-            let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(GEMM_THREADS, smem as usize, None)?;
+            let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(tiles.gemm_threads(), smem as usize, None)?;
             Ok(per_sm.max(1) * device.sm_count())
         };
         let gemm1_blocks = blocks(&fns.gemm1, tiles.bn1)?;
@@ -263,7 +263,7 @@ impl GroupedPath {
                 &self.fns.gemm1,
                 stream,
                 grid1,
-                GEMM_THREADS,
+                self.tiles.gemm_threads(),
                 self.tiles.smem_bytes(self.tiles.bn1),
                 false,
                 &mut args,
@@ -298,7 +298,15 @@ impl GroupedPath {
                 arg(&mut weights),
                 arg(&mut out32),
             ];
-            launch(gemm2, stream, grid2, GEMM_THREADS, self.tiles.smem_bytes(self.tiles.bn2), false, &mut args)?;
+            launch(
+                gemm2,
+                stream,
+                grid2,
+                self.tiles.gemm_threads(),
+                self.tiles.smem_bytes(self.tiles.bn2),
+                false,
+                &mut args,
+            )?;
         }
         let mut y = p.y;
         unsafe {
