@@ -45,25 +45,32 @@ impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
     /// divides (else 64), one block per SM; wgmma on sm_90a.
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
-        let bn = |n: u32| if n % 128 == 0 { 128 } else { 64 };
         let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+        let (h, i) = (spec.hidden(), spec.intermediate());
+        let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
+        let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
+        if mma == Mma::Wgmma && !fp8 {
+            // bf16 / fp16 on wgmma, measured on an H200 at M = 4096: 128 x 256 tiles in both GEMMs
+            // with 4 stages ran Qwen3-30B-A3B at 358 TFLOP/s and Mixtral at 497, against 336 and
+            // 422 with 128 x 128 tiles and 5 stages (the best of that shape).
+            return GemmTiles {
+                bm: 128,
+                bn1: 2 * widest(i, &[128, 64, 32]),
+                bn2: widest(h, &[256, 128, 64]),
+                stages: 4,
+                blocks_per_sm: 1,
+                mma,
+            };
+        }
         GemmTiles {
             bm: 128,
-            bn1: if spec.intermediate() % 64 == 0 { 128 } else { 64 },
-            bn2: bn(spec.hidden()),
-            // Measured on an H200 (Qwen3-30B-A3B, M = 4096): bf16 with one wgmma group in flight
-            // ran best with 5 stages (324 TFLOP/s against 295 with 4); fp8, which waits on each
-            // k-tile to scale it, gained nothing past 4.
-            // sm_120a parts have 99 KiB of shared memory per block: three stages of 128 x 128.
-            stages: if arch == Arch::Sm120a {
-                3
-            } else if fp8 {
-                4
-            } else {
-                5
-            },
+            bn1: 2 * widest(i, &[64, 32]),
+            bn2: widest(h, &[128, 64]),
+            // fp8 waits on each k-tile to scale it and holds a second accumulator, so 128-wide
+            // tiles and 4 stages; sm_120a parts have 99 KiB of shared memory per block: 3 stages.
+            stages: if arch == Arch::Sm120a { 3 } else { 4 },
             blocks_per_sm: 1,
-            mma: if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync },
+            mma,
         }
     }
 
@@ -289,8 +296,8 @@ mod tests {
     fn wgmma_operands_match_the_tile_width() {
         let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
         let k = render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).unwrap();
-        assert!(k.source.contains("m64n128k16.f32.bf16.bf16"));
-        assert!(k.source.contains("\"+f\"(d[63])") && !k.source.contains("\"+f\"(d[64])"));
+        assert!(k.source.contains("m64n256k16.f32.bf16.bf16"));
+        assert!(k.source.contains("\"+f\"(d[127])") && !k.source.contains("\"+f\"(d[128])"));
         let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
         let k = render_grouped(&s, Arch::Sm120a, GemmTiles::for_spec(&s, Arch::Sm120a)).unwrap();
         assert!(k.source.contains("m16n8k32.row.col.f32.e4m3.e4m3.f32"));
