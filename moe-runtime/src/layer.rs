@@ -80,8 +80,8 @@ pub struct MoeLayer {
 
 /// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold`
 /// says otherwise. Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the
-/// grouped path took 355 us against 381 us for warp decode with uniform routing (111 against 293
-/// skewed); at M = 8 warp decode still won with uniform routing (207 against 235 us).
+/// grouped path took 355 us against 414 us for warp decode with uniform routing (152 against 244
+/// skewed); at M = 8 warp decode still won with uniform routing (230 against 251 us).
 pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
 
 /// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
