@@ -14,7 +14,7 @@ use moe_runtime::cudarc::driver::sys::CUdevice_attribute;
 use moe_runtime::cudarc::driver::sys::CUevent_flags;
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
-use moe_runtime::timing::{capture, copy_gbps, time_graph};
+use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{ActElem, Device, MoeLayer};
 use moeforge::codegen::{render_warp_decode, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
 use std::sync::Arc;
@@ -74,20 +74,6 @@ fn build_case_as<T: ActElem + 'static>(layers: &[MoeLayer], spec: &MoeSpec, m: u
     .unwrap();
     keep.extend(steps);
     Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: Box::new(keep) }
-}
-
-fn today() -> String {
-    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86400;
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    format!("{:04}-{:02}-{:02}", yoe + era * 400 + (m <= 2) as i64, m, d)
 }
 
 fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
@@ -200,7 +186,7 @@ fn report_specs(dev: &Device, formats: &[WeightFormat], dequants: &[DequantVaria
 fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat], dequants: &[DequantVariant]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
-    let date = today();
+    let date = timing::today();
     println!("device: {}  copy bandwidth: {copy:.0} GB/s  date: {date}", dev.name());
     let specs = report_specs(dev, formats, dequants);
     // Compile every module up front, on every core.

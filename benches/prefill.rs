@@ -12,28 +12,13 @@ use moe_runtime::cudarc::cublas::sys::cublasOperation_t;
 use moe_runtime::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use moe_runtime::cudarc::driver::CudaSlice;
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
-use moe_runtime::timing::{capture, time_graph};
+use moe_runtime::timing::{self, capture, time_graph};
 use moe_runtime::{Device, MoeLayer};
 use moeforge::codegen::{KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 type Bf = half::bf16;
-
-fn today() -> String {
-    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + (m <= 2) as i64;
-    format!("{y:04}-{m:02}-{d:02}")
-}
 
 /// Dense bf16 C[8192, 8192] = A . B through cuBLAS: median TFLOP/s over graph replays.
 fn dense_tflops(dev: &Device) -> f64 {
@@ -176,7 +161,7 @@ fn main() {
                                 "tflops": (tflops * 10.0).round() / 10.0,
                                 "dense_bf16_tflops": (dense * 10.0).round() / 10.0,
                                 "pct_of_dense": (10000.0 * tflops / dense).round() / 100.0,
-                                "date": today(),
+                                "date": timing::today(),
                             });
                             writeln!(f, "{row}").unwrap();
                         }

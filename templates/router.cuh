@@ -33,6 +33,35 @@ __device__ __forceinline__ void warp_argmax(const float* s, int n, float& best, 
     }
 }
 
+// The TOP_K best of the scores s (each marked taken as it is chosen), weighted by weight(id, score),
+// written as token t's row: renormalised to sum 1 if asked, then times scale.
+template <class Weight>
+__device__ __forceinline__ void pick_topk(float* s, int t, Weight weight, bool renormalize, float scale,
+                                          int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+    const int lane = threadIdx.x % 32;
+    float w[TOP_K];
+    int ids[TOP_K];
+    float picked = 0.f;
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) {
+        float best;
+        int id;
+        warp_argmax(s, EXPERTS, best, id);
+        ids[k] = id;
+        w[k] = id < EXPERTS ? weight(id, best) : 0.f;
+        picked += w[k];
+        if (lane == 0 && id < EXPERTS) s[id] = MOE_NAN;
+        __syncwarp();
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            topk_ids[t * TOP_K + k] = ids[k];
+            topk_weights[t * TOP_K + k] = (renormalize ? w[k] / picked : w[k]) * scale;
+        }
+    }
+}
+
 {%- if router.grouped %}
 constexpr int GROUPS = {{ router.groups }};
 constexpr int TOPK_GROUPS = {{ router.topk_groups }};
@@ -86,27 +115,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
     for (int e = lane; e < EXPERTS; e += 32)
         if (!((kept >> (e / GROUP_SIZE)) & 1u)) s[e] = MOE_NAN;
     __syncwarp();
-    float w[TOP_K];
-    int ids[TOP_K];
-    float picked = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOP_K; ++k) {
-        float best;
-        int id;
-        warp_argmax(s, EXPERTS, best, id);
-        ids[k] = id;
-        w[k] = id < EXPERTS ? 1.f / (1.f + expf(-row[id])) : 0.f;
-        picked += w[k];
-        if (lane == 0 && id < EXPERTS) s[id] = MOE_NAN;
-        __syncwarp();
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            topk_ids[t * TOP_K + k] = ids[k];
-            topk_weights[t * TOP_K + k] = (RENORMALIZE ? w[k] / picked : w[k]) * SCALING;
-        }
-    }
+    pick_topk(s, t, [&](int id, float) { return 1.f / (1.f + expf(-row[id])); }, RENORMALIZE, SCALING, topk_ids,
+              topk_weights);
 }
 {%- else %}
 constexpr bool RENORMALIZE = {{ router.renormalize }};
@@ -130,26 +140,6 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ /*bias*/, 
     for (int e = lane; e < EXPERTS; e += 32) sum += expf(s[e] - mx);
     sum = warp_sum(sum);
     __syncwarp();
-    float w[TOP_K];
-    int ids[TOP_K];
-    float picked = 0.f;
-#pragma unroll
-    for (int k = 0; k < TOP_K; ++k) {
-        float best;
-        int id;
-        warp_argmax(s, EXPERTS, best, id);
-        ids[k] = id;
-        w[k] = id < EXPERTS ? expf(best - mx) / sum : 0.f;
-        picked += w[k];
-        if (lane == 0 && id < EXPERTS) s[id] = MOE_NAN;
-        __syncwarp();
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            topk_ids[t * TOP_K + k] = ids[k];
-            topk_weights[t * TOP_K + k] = RENORMALIZE ? w[k] / picked : w[k];
-        }
-    }
+    pick_topk(s, t, [&](int, float best) { return expf(best - mx) / sum; }, RENORMALIZE, 1.f, topk_ids, topk_weights);
 }
 {%- endif %}

@@ -56,3 +56,33 @@ pub fn copy_gbps(s: &Arc<CudaStream>) -> Result<f64> {
     }
     Ok(2.0 * n as f64 / median(t) / 1e9)
 }
+
+/// Today's UTC date, `YYYY-MM-DD`, for benchmark rows.
+pub fn today() -> String {
+    let days =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64 / 86400;
+    civil_date(days)
+}
+
+/// The civil date of a day count since 1970-01-01 (H. Hinnant's algorithm).
+fn civil_date(days: i64) -> String {
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!("{:04}-{:02}-{:02}", yoe + era * 400 + (m <= 2) as i64, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn civil_dates() {
+        assert_eq!(super::civil_date(0), "1970-01-01");
+        assert_eq!(super::civil_date(20_413), "2025-11-21");
+        assert_eq!(super::civil_date(11_016), "2000-02-29");
+    }
+}

@@ -89,6 +89,14 @@ fn check_list(formats: &[WeightFormat], all_geometries: bool) -> Vec<(&'static s
         };
         out.extend(specs.into_iter().filter(|(s, _)| keep(s)).map(|(s, f)| (geo, s, f)));
     }
+    // The group-limited (DeepSeek-V3) router lives in the grouped module: one spec carries it.
+    let grouped_router = MoeSpec::builder(2048, 768, 128, 8)
+        .build()
+        .and_then(|s| s.with_router(moe_codegen::Router::GroupLimited(moe_codegen::GroupLimited::new(8, 4, true, 2.5))))
+        .expect("a valid spec");
+    if keep(&grouped_router) {
+        out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::GroupedGemm));
+    }
     out
 }
 
