@@ -31,6 +31,8 @@ pub enum RuntimeError {
     ExpertIdOutOfRange { count: usize, experts: u32, first_pair: usize, first_id: i32 },
     #[error("a step of {m} tokens needs more scratch than reserved: call `reserve({m})` before capturing a graph")]
     NotReserved { m: usize },
+    #[error("no grouped step has run on this layer yet")]
+    NoStepYet,
     #[error("the {family} family is not available for this layer: {why}")]
     FamilyUnavailable { family: moe_codegen::KernelFamily, why: String },
     #[error("step of {m} tokens needs {need} bytes of shared memory for routing; the device allows {max}")]

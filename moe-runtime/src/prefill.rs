@@ -187,7 +187,7 @@ impl GroupedPath {
     /// their pointers.
     pub fn route(&self, stream: &Arc<CudaStream>, m: usize, logits: u64, bias: u64) -> Result<(u64, u64)> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let s = s.as_ref().expect("reserved before routing");
+        let s = s.as_ref().ok_or(RuntimeError::NotReserved { m })?;
         let (mut ids, mut w) = (ptr(&s.ids, stream), ptr(&s.weights, stream));
         let (mut l, mut b, mut m32) = (logits, bias, m as i32);
         let mut args = [arg(&mut l), arg(&mut b), arg(&mut m32), arg(&mut ids), arg(&mut w)];
@@ -206,7 +206,7 @@ impl GroupedPath {
         deterministic: bool,
     ) -> Result<()> {
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let s = guard.as_mut().expect("reserved before forward");
+        let s = guard.as_mut().ok_or(RuntimeError::NotReserved { m })?;
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
         let pairs = m * k;
         let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
@@ -324,7 +324,7 @@ impl GroupedPath {
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
     pub fn last_routing(&self, stream: &Arc<CudaStream>) -> Result<(Vec<i32>, Vec<f32>)> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let s = s.as_ref().expect("a step ran");
+        let s = s.as_ref().ok_or(RuntimeError::NoStepYet)?;
         Ok((stream.clone_dtoh(&s.ids)?, stream.clone_dtoh(&s.weights)?))
     }
 
@@ -332,7 +332,7 @@ impl GroupedPath {
     /// num_tiles)`, for tests.
     pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<Alignment> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let s = s.as_ref().expect("a step ran");
+        let s = s.as_ref().ok_or(RuntimeError::NoStepYet)?;
         Ok(Alignment {
             sorted_rows: stream.clone_dtoh(&s.sorted_rows)?,
             pair_pos: stream.clone_dtoh(&s.pair_pos)?,
