@@ -275,10 +275,10 @@ fn sweep(dev: &Device) {
     }
 }
 
-/// Plain forwards (no graph) for a profiler: `--profile bf16 1`.
-fn profile(dev: &Device, format: WeightFormat, m: usize) {
+/// Graph replays for a profiler: `--profile bf16 1 [split|fused]` (fused by default).
+fn profile(dev: &Device, format: WeightFormat, m: usize, fused: bool) {
     let spec = qwen(format);
-    let layers = layers_for(dev, spec);
+    let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
     let case = build_case(&layers, &spec, m);
     for _ in 0..3 {
         case.graph.launch().unwrap();
@@ -326,7 +326,7 @@ fn main() {
         sweep(&dev);
     } else if let Some(i) = args.iter().position(|a| a == "--profile") {
         let format: WeightFormat = args[i + 1].parse().unwrap();
-        profile(&dev, format, args[i + 2].parse().unwrap());
+        profile(&dev, format, args[i + 2].parse().unwrap(), args.get(i + 3).map(String::as_str) != Some("split"));
     } else if let Some(i) = args.iter().position(|a| a == "--report") {
         let out = args.get(i + 1).filter(|a| !a.starts_with("--")).map(String::as_str);
         let list = |flag: &str| -> Vec<String> {
