@@ -249,24 +249,38 @@ fn summary(table: &[Row]) {
     }
 }
 
-/// Compare tile configurations at a few step sizes (tuning aid; prints only).
-fn sweep(dev: &Device) {
+/// Compare tile configurations at a few step sizes (tuning aid; prints only):
+/// `--sweep [format,format...]`.
+fn sweep(dev: &Device, formats: &[WeightFormat]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
     println!("sweep: copy bandwidth {copy:.0} GB/s");
-    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+    for &format in formats {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
-        let configs =
-            [(d, true), (d, false), (DecodeTiles { warps: 4, ..d }, false), (DecodeTiles { warps: 4, ..d }, true)];
+        let configs = [
+            (d, false),
+            (d, true),
+            (DecodeTiles { dn_chunk: (d.dn_chunk / 2).max(1), ..d }, false),
+            (DecodeTiles { dn_chunk: d.dn_chunk * 2, ..d }, false),
+            (DecodeTiles { gu_min_blocks: 3, ..d }, false),
+            (DecodeTiles { gu_min_blocks: 3, dn_chunk: d.dn_chunk * 2, ..d }, false),
+            (DecodeTiles { warps: 4, ..d }, false),
+        ];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
-            let mut line =
-                format!("{:<9} {kind} w{} gu{} dn{}x{}:", format.name(), t.warps, t.gu_chunk, t.dn_experts, t.dn_chunk);
-            for m in [1, 2, 8, 32] {
+            let mut line = format!(
+                "{:<9} {kind} w{} gu{}/{} dn{}:",
+                format.name(),
+                t.warps,
+                t.gu_chunk,
+                t.gu_min_blocks,
+                t.dn_chunk
+            );
+            for m in [1, 2, 8] {
                 let case = build_case(&layers, &spec, m);
-                let us = time_graph(&s, &case.graph, 50).unwrap() / LAYERS as f64;
+                let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;
                 let pct = 100.0 * case.bytes_per_layer / (us * 1e-6) / 1e9 / copy;
                 line += &format!("  m{m} {us:7.2}us {pct:5.1}%");
             }
@@ -322,8 +336,12 @@ fn main() {
             return;
         }
     };
-    if args.iter().any(|a| a == "--sweep") {
-        sweep(&dev);
+    if let Some(i) = args.iter().position(|a| a == "--sweep") {
+        let formats: Vec<WeightFormat> = match args.get(i + 1).filter(|a| !a.starts_with("--")) {
+            Some(list) => list.split(',').map(|f| f.parse().unwrap()).collect(),
+            None => vec![WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Int4G128],
+        };
+        sweep(&dev, &formats);
     } else if let Some(i) = args.iter().position(|a| a == "--profile") {
         let format: WeightFormat = args[i + 1].parse().unwrap();
         profile(&dev, format, args[i + 2].parse().unwrap(), args.get(i + 3).map(String::as_str) != Some("split"));

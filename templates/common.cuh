@@ -32,6 +32,15 @@ __device__ __forceinline__ __half2 u32_as_h2(unsigned u) { return *reinterpret_c
 __device__ __forceinline__ unsigned h2_as_u32(__half2 h) { return *reinterpret_cast<const unsigned*>(&h); }
 __device__ __forceinline__ float2 h2_to_f2(unsigned u) { return __half22float2(u32_as_h2(u)); }
 
+// (a & B) | C in one lop3: written in C the compiler splits it in two, B and C both being
+// immediates.
+template <unsigned B, unsigned C>
+__device__ __forceinline__ unsigned and_or(unsigned a) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(B), "r"(C));
+    return d;
+}
+
 // Weights are streamed exactly once per step: skip L1 so the small activation vectors,
 // which every warp of the SM re-reads, keep it.
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {

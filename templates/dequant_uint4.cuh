@@ -21,10 +21,10 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, flo
     for (int i = 0; i < 4; ++i) {
         const unsigned x = words[i];
         const unsigned t = x >> 8;
-        const float2 f04 = __half22float2(__hsub2(u32_as_h2((x & 0x000f000fu) | 0x64006400u), lo_sub));
-        const float2 f15 = __half22float2(__hfma2(u32_as_h2((x & 0x00f000f0u) | 0x64006400u), sixteenth, hi_add));
-        const float2 f26 = __half22float2(__hsub2(u32_as_h2((t & 0x000f000fu) | 0x64006400u), lo_sub));
-        const float2 f37 = __half22float2(__hfma2(u32_as_h2((t & 0x00f000f0u) | 0x64006400u), sixteenth, hi_add));
+        const float2 f04 = __half22float2(__hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(x)), lo_sub));
+        const float2 f15 = __half22float2(__hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(x)), sixteenth, hi_add));
+        const float2 f26 = __half22float2(__hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(t)), lo_sub));
+        const float2 f37 = __half22float2(__hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(t)), sixteenth, hi_add));
         w[8 * i + 0] = f04.x;
         w[8 * i + 4] = f04.y;
         w[8 * i + 1] = f15.x;

@@ -6,18 +6,20 @@
 // Ids outside [0, EXPERTS) are counted in *err and contribute nothing.
 struct Routing {
     int num_unique;
+    const int* map;      // [experts] expert id -> unique index, or -1
     const int* uexp;     // [num_unique] expert id
     const int* ucnt;     // [num_unique] pairs routed to it
     const int* uoff;     // [num_unique] first index into entries
     const int* entries;  // [num_pairs] pair indices grouped by expert
 };
 
-// Shared-memory ints the routing needs for a step of num_pairs pairs, plus two ints of scratch per
-// unique expert for the caller (mirrored on the host by routing_smem_bytes).
+// Shared-memory ints the routing needs for a step of num_pairs pairs, plus scratch for the caller:
+// two ints per possible unique expert (scratch 0 and 1) and two per pair (scratch 2), mirrored on
+// the host by routing_smem_bytes.
 __host__ __device__ constexpr int routing_smem_ints(int num_pairs, int experts) {
-    return experts + 5 * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+    return experts + 5 * (num_pairs < experts ? num_pairs : experts) + 4 * num_pairs + 1;
 }
-// Scratch array `which` (0 or 1), one int per possible unique expert.
+// Scratch array `which`: 0 or 1 (one int per possible unique expert) or 2 (two ints per pair).
 __device__ __forceinline__ int* routing_scratch(int* smem, int num_pairs, int experts, int which) {
     const int umax = num_pairs < experts ? num_pairs : experts;
     return smem + experts + (3 + which) * umax + 2 * num_pairs + 1;
@@ -100,5 +102,5 @@ __device__ Routing build_routing(const int* __restrict__ topk_ids, int num_pairs
         if (lane == 0) *num_unique = nu;
     }
     __syncthreads();
-    return Routing{*num_unique, uexp, ucnt, uoff, entries};
+    return Routing{*num_unique, map, uexp, ucnt, uoff, entries};
 }

@@ -14,10 +14,8 @@ constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
-constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per expert row (down)
-constexpr int DN_EXPERTS = {{ dn_experts }};  // expert rows per unit (down), at one token per tile
-// Fewer experts per unit for larger token tiles: the per-(expert, token) weights live in registers.
-__host__ __device__ constexpr int dn_experts(int mt) { return DN_EXPERTS < 16 / mt ? DN_EXPERTS : (16 / mt > 0 ? 16 / mt : 1); }
+constexpr int GU_MIN_BLOCKS = {{ gu_min_blocks }};  // gate_up's blocks per SM to budget registers for
+constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
 
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
 using W2 = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
@@ -27,31 +25,87 @@ constexpr int NV_I = INTER / W_VEC;       // 16-byte vectors per w2 row
 constexpr int VPL_H = (NV_H + 31) / 32;   // vectors per lane per w13 row (the last may be partial)
 constexpr int VPL_I = (NV_I + 31) / 32;
 
-// W_VEC activations (16-bit) starting at vector v, widened to fp32.
-__device__ __forceinline__ void load_x(const act_t* __restrict__ row, int v, float (&a)[W_VEC]) {
-    const uint4* p = reinterpret_cast<const uint4*>(row) + v * (W_VEC / 8);
+// The step's activations, staged once per block as fp32 when they fit (XS_MAX_BYTES): a lane then
+// reads its vector's elements as W_VEC / 4 conflict-free float4s (lanes side by side) instead of
+// re-loading and widening them from global memory for every row it serves.
+// Layout: token t, vector v = 32 c + l, float4 k of the vector at ((t * VPL_H + c) * W_VEC / 4 + k) * 32 + l.
+constexpr int XS_TOKEN_FLOATS = VPL_H * W_VEC * 32;
+constexpr int XS_MAX_BYTES = {{ xs_max_bytes }};
+__host__ __device__ constexpr bool x_staged(int m) { return (long)m * XS_TOKEN_FLOATS * 4 <= XS_MAX_BYTES; }
+
+// The staged activations follow the routing tables, 16-byte aligned (mirrored on the host by
+// decode_smem_bytes).
+__device__ __forceinline__ float4* x_stage_smem(int* smem, int m) {
+    return reinterpret_cast<float4*>(smem + ((routing_smem_ints(m * TOP_K, EXPERTS) + 3) & ~3));
+}
+
+__device__ __forceinline__ void stage_x(const act_t* __restrict__ x, int m, float4* xs) {
+    constexpr int Q = HIDDEN / 4;  // four activations per step
+    for (int i = threadIdx.x; i < m * Q; i += blockDim.x) {
+        const int t = i / Q;
+        const int e = 4 * (i - t * Q);
+        const int v = e / W_VEC;
+        const int k = (e - v * W_VEC) / 4;
+        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (long)t * HIDDEN + e));
+        uint4 wide = make_uint4(raw.x, raw.y, 0u, 0u);
+        float f[8];
+        widen8(wide, (const act_t*)nullptr, f);
+        xs[((t * VPL_H + (v >> 5)) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
+    }
+    __syncthreads();
+}
+
+// W_VEC activations of token t starting at vector v, as fp32: from the staged copy when there is
+// one, else loaded and widened from x.
+__device__ __forceinline__ void load_x(const act_t* __restrict__ x, const float4* xs, int t, int v, float (&a)[W_VEC]) {
+    if (xs) {
+        const float4* p = xs + (t * VPL_H + (v >> 5)) * (W_VEC / 4) * 32 + (v & 31);
+#pragma unroll
+        for (int k = 0; k < W_VEC / 4; ++k) {
+            const float4 f = p[32 * k];
+            a[4 * k] = f.x;
+            a[4 * k + 1] = f.y;
+            a[4 * k + 2] = f.z;
+            a[4 * k + 3] = f.w;
+        }
+        return;
+    }
+    const uint4* p = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN) + v * (W_VEC / 8);
 #pragma unroll
     for (int h = 0; h < W_VEC / 8; ++h) {
-        float t[8];
-        widen8(__ldg(p + h), (const act_t*)nullptr, t);
+        float f[8];
+        widen8(__ldg(p + h), (const act_t*)nullptr, f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[8 * h + i] = t[i];
+        for (int i = 0; i < 8; ++i) a[8 * h + i] = f[i];
     }
 }
 
-// W_VEC fp32 intermediate activations starting at vector v. COHERENT: written by this grid, so
+// The intermediate, fp32, one row of MID_ROW floats per pair, in the order down's lanes read it:
+// vector v = 32 c + l of the row (W_VEC elements), float4 k of it, at (c * W_VEC / 4 + k) * 32 + l
+// float4s into the row. A warp's float4 loads of 32 consecutive vectors are then 512 contiguous
+// bytes, where the natural order would touch 32 lines per load. gate_up writes single floats
+// anyway, so the order costs it nothing. Rows are padded to whole 32-vector chunks (mirrored on
+// the host by decode_mid_floats).
+constexpr int MID_ROW = VPL_I * 32 * W_VEC;
+__device__ __forceinline__ long mid_index(int p, int n) {
+    const int v = n / W_VEC;
+    const int e = n - v * W_VEC;
+    return (long)p * MID_ROW + (((v >> 5) * (W_VEC / 4) + (e >> 2)) * 32 + (v & 31)) * 4 + (e & 3);
+}
+
+// The W_VEC fp32 intermediate activations of pair p's vector v. COHERENT: written by this grid, so
 // a plain weak ld.global (never the read-only .nc path); the gpu-scope acquire that precedes it
 // makes the released values visible, and the lines may still be shared in L1 across warps.
 template <bool COHERENT>
-__device__ __forceinline__ void load_mid(const float* __restrict__ row, int v, float (&a)[W_VEC]) {
-    const float4* p = reinterpret_cast<const float4*>(row) + v * (W_VEC / 4);
+__device__ __forceinline__ void load_mid(const float* __restrict__ mid, int p, int v, float (&a)[W_VEC]) {
+    const float4* q = reinterpret_cast<const float4*>(mid + (long)p * MID_ROW) + (v >> 5) * (W_VEC / 4) * 32 + (v & 31);
 #pragma unroll
-    for (int h = 0; h < W_VEC / 4; ++h) {
-        const float4 f = COHERENT ? ld_weak(p + h) : __ldg(p + h);
-        a[4 * h] = f.x;
-        a[4 * h + 1] = f.y;
-        a[4 * h + 2] = f.z;
-        a[4 * h + 3] = f.w;
+    for (int k = 0; k < W_VEC / 4; ++k) {
+        const float4 f = COHERENT ? ld_weak(q + 32 * k) : __ldg(q + 32 * k);
+        a[4 * k] = f.x;
+        a[4 * k + 1] = f.y;
+        a[4 * k + 2] = f.z;
+        a[4 * k + 3] = f.w;
     }
 }
 
@@ -91,7 +145,7 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 // FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
 // counts once, after its whole phase, so no warp fences per item.
 template <int MT, bool FUSED>
-__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x,
+__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const float4* xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
                                               float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
@@ -126,7 +180,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     };
     int nt = 0;
     int pair[MT];
-    const act_t* xr[MT];
+    int tok[MT];
     float ag[MT], au[MT];
     auto setup = [&](long it, int b) {
         const int u = (int)(it / INTER);
@@ -135,7 +189,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
             pair[j] = j < nt ? ent[b + j] : 0;
-            xr[j] = x + (long)(pair[j] / TOP_K) * HIDDEN;
+            tok[j] = pair[j] / TOP_K;
             ag[j] = 0.0f;
             au[j] = 0.0f;
         }
@@ -168,7 +222,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                 for (int j = 0; j < MT; ++j) {
                     if (j < nt) {
                         float a[W_VEC];
-                        load_x(xr[j], v, a);
+                        load_x(x, xs, tok[j], v, a);
                         ag[j] += dot(g, a, gsc[i]);
                         au[j] += dot(w, a, usc[i]);
                     }
@@ -186,7 +240,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                 if (j < nt) {
                     const float g = warp_sum(ag[j]) * gs;
                     const float v = warp_sum(au[j]) * us;
-                    if (lane == 0) mid[(long)pair[j] * INTER + n] = moe_act(g) * v;
+                    if (lane == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
                 }
             }
             if (FUSED && lane == 0) atomicAdd(done + item / INTER, 1);
@@ -206,243 +260,163 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     }
 }
 
-// y[t][h] = sum over t's slots s of weight[t][s] * (w2[e_s][h] . mid[t, s]) for the MT tokens of
-// one group; the per-expert products never leave registers. Units are (item = (h, group),
-// DE experts that serve the group, chunk of their rows); the next unit's loads are issued
-// before the current unit's math.
-// FUSED: mid is produced by this same grid; wait on ready[u] before reading an expert's rows,
-// and read them through L2 (other SMs wrote them).
-template <int MT, int DE, bool FUSED>
-__device__ __forceinline__ void down_phase(const Routing& r, int* smem, const float* __restrict__ mid,
-                                           const float* __restrict__ topk_weights, const uint4* __restrict__ w2,
+// y[t][h] = sum over t's slots s of weight[t][s] * (w2[e_s][h] . mid[t * TOP_K + s]). A warp owns
+// one (h, t) and spreads the TOP_K rows' vectors over its lanes as one flat index f = s * NV_I + v,
+// so that rows shorter than a warp (4-bit w2 rows) still keep every lane loading and no lane walks
+// a per-expert loop. Consecutive warps take consecutive tokens of one h: a row that several of
+// them read is fetched from DRAM once and then hit in L2. The next unit's weights are in flight
+// during the current unit's math.
+// sid/swt: the step's expert ids (-1 where out of range) and routing weights, in shared memory.
+// FUSED: mid is produced by this same grid; before an item's math, wait on ready[u] for each of
+// the token's experts, and read mid through L2 (other SMs wrote it).
+constexpr int DN_FLAT = TOP_K * NV_I;        // vectors per item
+constexpr int DN_VPL = (DN_FLAT + 31) / 32;  // ... per lane
+template <int MT, bool FUSED>
+__device__ __forceinline__ void down_phase(const int* sid, const float* swt, const Routing* r,
+                                           const float* __restrict__ mid, const uint4* __restrict__ w2,
                                            const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
                                            const int* __restrict__ ready) {
-    const int groups = (m + MT - 1) / MT;
-    // Which token groups each expert serves (groups > 32: every expert is tried, and skipped
-    // at run time when it serves none of the group).
-    unsigned* gmask = reinterpret_cast<unsigned*>(routing_scratch(smem, m * TOP_K, EXPERTS, 0));
-    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
-        unsigned mk = 0;
-        for (int c = 0; c < r.ucnt[u]; ++c) {
-            const int g = r.entries[r.uoff[u] + c] / TOP_K / MT;
-            mk |= g < 32 ? 1u << g : 0xffffffffu;
-        }
-        gmask[u] = groups > 32 ? 0xffffffffu : mk;
-    }
-    __syncthreads();
     if (!FUSED) pdl_wait();  // mid is gate_up's output
     const int lane = threadIdx.x & 31;
-    const long items = (long)HIDDEN * groups;
+    const long items = (long)HIDDEN * m;
     const long stride = (long)gridDim.x * WARPS;
     long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-
-    // The next up-to-DE experts at or after `from` that serve group g (-1: none).
-    auto next_experts = [&](int g, int from, int (&us)[DE]) {
-        int u = from;
-#pragma unroll
-        for (int q = 0; q < DE; ++q) {
-            while (u < r.num_unique && !((gmask[u] >> (g & 31)) & 1u)) ++u;
-            us[q] = u < r.num_unique ? u : -1;
-            ++u;
-        }
-    };
-    auto load = [&](long it, const int (&us)[DE], int c, uint4 (&wv)[DE][DN_CHUNK], WScale (&ws)[DE][DN_CHUNK]) {
-        const int h = (int)(it / groups);
-#pragma unroll
-        for (int q = 0; q < DE; ++q) {
-            if (us[q] >= 0) {
-                const long rw = (long)r.uexp[us[q]] * HIDDEN + h;
-                const uint4* row = w2 + rw * NV_I;
-#pragma unroll
-                for (int i = 0; i < DN_CHUNK; ++i) {
-                    const int v = (c + i) * 32 + lane;
-                    if (c + i < VPL_I && v < NV_I) {
-                        wv[q][i] = ldg_stream(row + v);
-                        ws[q][i] = load_wscale<W2>(w2_scales, rw, v);
-                    }
-                }
-            }
-        }
-    };
-
-    float acc[MT];
-    float wgt[DE][MT];
-    int pr[DE][MT];
-    int us[DE];
-    int c0 = 0;
-    // Per-expert routing weights (times the row scale) and pair indices for the group's tokens.
-    auto setup = [&](long it) {
-        const int h = (int)(it / groups);
-        const int t0 = (int)(it % groups) * MT;
-        if (FUSED) {
-            // Every pass of gate_up over these experts must have landed.
-#pragma unroll
-            for (int q = 0; q < DE; ++q) {
-                if (us[q] >= 0) {
-                    const int need = INTER * ((r.ucnt[us[q]] + MT - 1) / MT);
-                    if (lane == 0) {
-                        unsigned ns = 32;
-                        while (ld_acquire(ready + us[q]) < need) {
-                            __nanosleep(ns);
-                            ns = ns < 1024 ? 2 * ns : ns;
-                        }
-                    }
-                    __syncwarp();  // orders the other lanes' reads of mid after lane 0's acquire
-                }
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < DE; ++q) {
-#pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                wgt[q][j] = 0.0f;
-                pr[q][j] = -1;
-            }
-            if (us[q] >= 0) {
-                const int* ent = r.entries + r.uoff[us[q]];
-                const int cnt = r.ucnt[us[q]];
-                for (int c = 0; c < cnt; ++c) {
-                    const int p = ent[c];
-                    const int j = p / TOP_K - t0;
-                    if (j >= MT) break;  // entries are in token order
-                    if (j < 0) continue;
-                    const float wt = __ldg(topk_weights + p);
-#pragma unroll
-                    for (int jj = 0; jj < MT; ++jj) {
-                        // A token routed twice to one expert has identical mid rows: sum the weights.
-                        if (jj == j) {
-                            wgt[q][jj] += wt;
-                            pr[q][jj] = p;
-                        }
-                    }
-                }
-                const float s = row_scale<W2>(w2_scales, (long)r.uexp[us[q]] * HIDDEN + h);
-#pragma unroll
-                for (int j = 0; j < MT; ++j) wgt[q][j] *= s;
-            }
-        }
-    };
-    auto write_zeros = [&](long it) {
-        const int h = (int)(it / groups);
-        const int t0 = (int)(it % groups) * MT;
-        if (lane < MT && t0 + lane < m) y[(long)(t0 + lane) * HIDDEN + h] = narrow(0.0f, (const act_t*)nullptr);
-    };
-    auto finish = [&](long it) {
-        const int h = (int)(it / groups);
-        const int t0 = (int)(it % groups) * MT;
-#pragma unroll
-        for (int j = 0; j < MT; ++j) {
-            if (t0 + j < m) {
-                const float v = warp_sum(acc[j]);
-                if (lane == 0) y[(long)(t0 + j) * HIDDEN + h] = narrow(v, (const act_t*)nullptr);
-            }
-            acc[j] = 0.0f;
-        }
-    };
-#pragma unroll
-    for (int j = 0; j < MT; ++j) acc[j] = 0.0f;
-    // First unit: skip (writing zeros) any item no expert serves (only with skipped bad ids).
-    while (item < items) {
-        next_experts((int)(item % groups), 0, us);
-        if (us[0] >= 0) break;
-        write_zeros(item);
-        item += stride;
-    }
     if (item >= items) return;
-    uint4 wv[DE][DN_CHUNK];
-    WScale wsc[DE][DN_CHUNK];
-    load(item, us, 0, wv, wsc);
-    setup(item);
+
+    auto load = [&](long it, int c, uint4 (&wv)[DN_CHUNK], WScale (&ws)[DN_CHUNK], float (&rs)[DN_CHUNK]) {
+        const int h = (int)(it / m);
+        const int t = (int)(it - (long)h * m);
+#pragma unroll
+        for (int i = 0; i < DN_CHUNK; ++i) {
+            const int f = (c + i) * 32 + lane;
+            if (c + i < DN_VPL && f < DN_FLAT) {
+                const int s = f / NV_I;
+                const int v = f - s * NV_I;
+                const int e = sid[t * TOP_K + s];
+                if (e >= 0) {
+                    const long rw = (long)e * HIDDEN + h;
+                    wv[i] = ldg_stream(w2 + rw * NV_I + v);
+                    ws[i] = load_wscale<W2>(w2_scales, rw, v);
+                    rs[i] = row_scale<W2>(w2_scales, rw);
+                }
+            }
+        }
+    };
+    auto wait_ready = [&](long it) {
+        if constexpr (FUSED) {
+            // Every pass of gate_up over this token's experts must have landed.
+            const int t = (int)(it % m);
+            if (lane < TOP_K) {
+                const int e = sid[t * TOP_K + lane];
+                if (e >= 0) {
+                    const int u = r->map[e];
+                    const int need = INTER * ((r->ucnt[u] + MT - 1) / MT);
+                    unsigned ns = 32;
+                    while (ld_acquire(ready + u) < need) {
+                        __nanosleep(ns);
+                        ns = ns < 1024 ? 2 * ns : ns;
+                    }
+                }
+            }
+            __syncwarp();  // orders the other lanes' reads of mid after the acquires
+        }
+    };
+
+    uint4 wv[DN_CHUNK];
+    WScale wsc[DN_CHUNK];
+    float rsc[DN_CHUNK];
+    load(item, 0, wv, wsc, rsc);
+    wait_ready(item);
+    int c0 = 0;
+    float acc = 0.0f;
     while (true) {
         long nitem = item;
-        int nus[DE];
         int nc0 = c0 + DN_CHUNK;
-        bool new_experts = false;
-        if (nc0 < VPL_I) {
-#pragma unroll
-            for (int q = 0; q < DE; ++q) nus[q] = us[q];
-        } else {
+        if (nc0 >= DN_VPL) {
             nc0 = 0;
-            new_experts = true;
-            int last = us[0];
-#pragma unroll
-            for (int q = 1; q < DE; ++q) last = us[q] >= 0 ? us[q] : last;
-            next_experts((int)(nitem % groups), last + 1, nus);
-            while (nus[0] < 0) {  // item done: move to the next one that has work
-                nitem += stride;
-                if (nitem >= items) break;
-                next_experts((int)(nitem % groups), 0, nus);
-                if (nus[0] < 0) write_zeros(nitem);  // nothing routed here
-            }
+            nitem = item + stride;
         }
         const bool more = nitem < items;
-        uint4 wn[DE][DN_CHUNK];
-        WScale wsn[DE][DN_CHUNK];
-        if (more) load(nitem, nus, nc0, wn, wsn);  // in flight during this unit's math
+        uint4 wn[DN_CHUNK];
+        WScale wsn[DN_CHUNK];
+        float rsn[DN_CHUNK];
+        if (more) load(nitem, nc0, wn, wsn, rsn);  // in flight during this unit's math
+        const int h = (int)(item / m);
+        const int t = (int)(item - (long)h * m);
 #pragma unroll
-        for (int q = 0; q < DE; ++q) {
-            if (us[q] >= 0) {
-#pragma unroll
-                for (int i = 0; i < DN_CHUNK; ++i) {
-                    const int v = (c0 + i) * 32 + lane;
-                    if (c0 + i < VPL_I && v < NV_I) {
-                        float w[W_VEC];
-                        dequant_vec(wv[q][i], wsc[q][i], w);
-#pragma unroll
-                        for (int j = 0; j < MT; ++j) {
-                            if (pr[q][j] >= 0) {
-                                float a[W_VEC];
-                                load_mid<FUSED>(mid + (long)pr[q][j] * INTER, v, a);
-                                acc[j] = fmaf(wgt[q][j], dot(w, a, wsc[q][i]), acc[j]);
-                            }
-                        }
-                    }
+        for (int i = 0; i < DN_CHUNK; ++i) {
+            const int f = (c0 + i) * 32 + lane;
+            if (c0 + i < DN_VPL && f < DN_FLAT) {
+                const int s = f / NV_I;
+                const int v = f - s * NV_I;
+                const int p = t * TOP_K + s;
+                if (sid[p] >= 0) {
+                    float w[W_VEC], a[W_VEC];
+                    dequant_vec(wv[i], wsc[i], w);
+                    load_mid<FUSED>(mid, p, v, a);
+                    acc = fmaf(swt[p] * rsc[i], dot(w, a, wsc[i]), acc);
                 }
             }
         }
-        if (nitem != item) finish(item);
-        if (!more) break;
+        if (nc0 == 0) {  // the item is complete
+            const float v = warp_sum(acc);
+            if (lane == 0) y[(long)t * HIDDEN + h] = narrow(v, (const act_t*)nullptr);
+            acc = 0.0f;
+            if (!more) break;
+            wait_ready(nitem);
+        }
         item = nitem;
         c0 = nc0;
 #pragma unroll
-        for (int q = 0; q < DE; ++q) us[q] = nus[q];
-        if (new_experts) setup(item);
-#pragma unroll
-        for (int q = 0; q < DE; ++q) {
-#pragma unroll
-            for (int i = 0; i < DN_CHUNK; ++i) {
-                wv[q][i] = wn[q][i];
-                wsc[q][i] = wsn[q][i];
-            }
+        for (int i = 0; i < DN_CHUNK; ++i) {
+            wv[i] = wn[i];
+            wsc[i] = wsn[i];
+            rsc[i] = rsn[i];
         }
     }
 }
 
-// Entry points, one set per token tile; the host picks the smallest tile that covers the step.
-// split: two kernels, down launched as a programmatic dependent of gate_up.
+// The step's ids (validated: -1 where out of range) and routing weights, staged in shared memory.
+__device__ __forceinline__ void stage_pairs(const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                                            int pairs, int* sid, float* swt) {
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = __ldg(topk_ids + p);
+        sid[p] = e >= 0 && e < EXPERTS ? e : -1;
+        swt[p] = __ldg(topk_weights + p);
+    }
+    __syncthreads();
+}
+
+// Entry points. gate_up and fused come in one version per token tile (tokens served per pass over
+// a w13 row); the host picks the smallest tile that covers the step. down has no token tile.
+// split: gate_up, then down launched as a programmatic dependent of it.
 // fused: one persistent kernel, gate_up phase then down phase; its grid must be co-resident
 // (the host sizes it from the occupancy), since down waits on counters other blocks bump.
 // ready[0..EXPERTS) counts finished gate_up passes per unique expert, ready[EXPERTS] finished
 // blocks; the last block clears them for the next step.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
+    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+    extern __shared__ int smem[];
+    dequant_setup();
+    // The ids and weights are the step's inputs: staging them overlaps the tail of gate_up.
+    int* sid = smem;
+    float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
+    stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
+    down_phase<1, false>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+}
 {%- for mt in token_tiles %}
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, GU_MIN_BLOCKS) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
-    pdl_launch_dependents();  // the down kernel may launch and build its routing now
+    pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
-    gate_up_phase<{{ mt }}, false>(r, x, w13, w13_scales, mid, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_t{{ mt }}(
-    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
-    extern __shared__ int smem[];
-    dequant_setup();
-    // Routing reads only the step's inputs, so it overlaps the tail of gate_up.
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, nullptr);
-    down_phase<{{ mt }}, dn_experts({{ mt }}), false>(r, smem, mid, topk_weights, w2, w2_scales, y, m, nullptr);
+    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
+    if (xs) stage_x(x, m, xs);
+    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
@@ -453,17 +427,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     dequant_setup();
     pdl_wait();
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
-    int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 1);
+    int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 0);
+    int* sid = routing_scratch(smem, m * TOP_K, EXPERTS, 2);
+    float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
-    __syncthreads();
-    gate_up_phase<{{ mt }}, true>(r, x, w13, w13_scales, mid, done);
+    stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
+    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
+    if (xs) stage_x(x, m, xs);
+    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done);
     // Publish this block's finished passes: one fence for the whole phase.
     __threadfence();
     __syncthreads();
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
         if (done[u]) red_release_add(ready + u, done[u]);
     }
-    down_phase<{{ mt }}, dn_experts({{ mt }}), true>(r, smem, mid, topk_weights, w2, w2_scales, y, m, ready);
+    down_phase<{{ mt }}, true>(sid, swt, &r, mid, w2, w2_scales, y, m, ready);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();

@@ -98,10 +98,11 @@ pub struct DecodeTiles {
     pub warps: u32,
     /// 16-byte vectors per lane per w13 row loaded before any math (gate_up).
     pub gu_chunk: u32,
-    /// 16-byte vectors per lane per w2 row loaded before any math (down).
+    /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
+    /// top_k rows over their lanes as one flat run of vectors).
     pub dn_chunk: u32,
-    /// Expert rows the down kernel streams at once.
-    pub dn_experts: u32,
+    /// Blocks per SM gate_up's register budget is capped for (`__launch_bounds__`; 1: no cap).
+    pub gu_min_blocks: u32,
 }
 
 /// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
@@ -109,16 +110,14 @@ pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
 
 impl DecodeTiles {
     /// The default tiles for a spec: enough bytes in flight per warp to cover DRAM latency
-    /// without spilling. 4-bit rows are short (a w2 row of 768 is 24 vectors), so the down
-    /// kernel streams more expert rows at once to keep as many bytes in flight.
+    /// without spilling. down's chunk divides the vectors each lane owns per item when it can,
+    /// so that no unit runs with idle slots.
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
-        let vpl_i = (spec.intermediate() / vec).div_ceil(32);
-        let dn_chunk = vpl_i.min(4);
-        let max_de = if vec >= 32 { 4 } else { 2 };
-        let dn_experts = (6 / dn_chunk).clamp(1, max_de).min(spec.top_k());
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, dn_experts }
+        let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
+        let dn_chunk = (1..=4).rev().find(|c| dn_vpl % c == 0 && *c > 2).unwrap_or(dn_vpl.min(4));
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, gu_min_blocks: 1 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -155,7 +154,8 @@ struct WarpDecodeCu {
     warps: u32,
     gu_chunk: u32,
     dn_chunk: u32,
-    dn_experts: u32,
+    gu_min_blocks: u32,
+    xs_max_bytes: u32,
     token_tiles: [u32; 4],
 }
 
@@ -199,7 +199,8 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         warps: tiles.warps,
         gu_chunk: tiles.gu_chunk,
         dn_chunk: tiles.dn_chunk,
-        dn_experts: tiles.dn_experts,
+        gu_min_blocks: tiles.gu_min_blocks,
+        xs_max_bytes: X_STAGE_MAX_BYTES,
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
@@ -269,18 +270,40 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
 /// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
-        KernelFamily::WarpDecode => {
-            TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "down", "fused"].map(|k| format!("moe_{k}_t{mt}"))).collect()
-        }
+        KernelFamily::WarpDecode => std::iter::once("moe_down".to_string())
+            .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
+            .collect(),
         KernelFamily::GroupedGemm => grouped::entry_points(),
     }
+}
+
+/// Largest activation block (fp32) warp decode stages in shared memory; larger steps read the
+/// activations from global memory.
+pub const X_STAGE_MAX_BYTES: u32 = 64 * 1024;
+
+/// Dynamic shared memory of a warp-decode step of `m` tokens: the routing tables, then, when they
+/// fit in [`X_STAGE_MAX_BYTES`], the activations staged as fp32 (mirrors `warp_decode.cu`).
+pub fn decode_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
+    let routing = routing_smem_bytes(spec, m).next_multiple_of(16);
+    let vec = spec.weight_format().elems_per_16b();
+    let per_token = (spec.hidden() / vec).div_ceil(32) as u64 * vec as u64 * 32 * 4;
+    let xs = m as u64 * per_token;
+    routing + if xs <= X_STAGE_MAX_BYTES as u64 { xs as u32 } else { 0 }
+}
+
+/// fp32 elements of warp decode's intermediate for a step of `m` tokens: one row per (token,
+/// slot) pair, padded to whole 32-vector chunks (mirrors `MID_ROW` in `warp_decode.cu`).
+pub fn decode_mid_floats(spec: &MoeSpec, m: u32) -> usize {
+    let vec = spec.weight_format().elems_per_16b();
+    let row = (spec.intermediate() / vec).div_ceil(32) as usize * 32 * vec as usize;
+    m as usize * spec.top_k() as usize * row
 }
 
 /// Shared-memory bytes the routing tables of a step of `m` tokens need (mirrors `routing.cuh`).
 pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let pairs = m * spec.top_k();
     let e = spec.experts();
-    4 * (e + 5 * pairs.min(e) + 2 * pairs + 1)
+    4 * (e + 5 * pairs.min(e) + 4 * pairs + 1)
 }
 
 /// Every (family, format) a geometry accepts, as specs with the format's default dequant variant
@@ -506,12 +529,22 @@ mod tests {
     fn tiles_and_smem() {
         let s = qwen(WeightFormat::Bf16);
         let t = DecodeTiles::for_spec(&s);
-        assert_eq!((t.gu_chunk, t.dn_chunk, t.dn_experts), (4, 3, 2));
+        // down: 8 rows x 96 vectors = 24 per lane, in units of 4.
+        assert_eq!((t.gu_chunk, t.dn_chunk), (4, 4));
+        let t4 = DecodeTiles::for_spec(&qwen(WeightFormat::Int4G128));
+        assert_eq!(t4.dn_chunk, 3);
+        // A 4-bit intermediate row of 768 is 24 vectors of 32, padded to one chunk of 32.
+        assert_eq!(decode_mid_floats(&qwen(WeightFormat::Int4G128), 2), 2 * 8 * 1024);
+        assert_eq!(decode_mid_floats(&s, 1), 8 * 768);
         assert_eq!(DecodeTiles::token_tile(1), 1);
         assert_eq!(DecodeTiles::token_tile(3), 4);
         assert_eq!(DecodeTiles::token_tile(64), 8);
-        // 128 map + 5*8 + 2*8 + 1 ints at M = 1.
-        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 40 + 16 + 1));
+        // 128 map + 5*8 + 4*8 + 1 ints at M = 1.
+        assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 40 + 32 + 1));
+        // Plus 2048 fp32 activations per token while they fit in 64 KiB.
+        assert_eq!(decode_smem_bytes(&s, 1), 816 + 8192);
+        assert_eq!(decode_smem_bytes(&s, 8), routing_smem_bytes(&s, 8).next_multiple_of(16) + 65536);
+        assert_eq!(decode_smem_bytes(&s, 9), routing_smem_bytes(&s, 9).next_multiple_of(16));
         let _ = ActDtype::Bf16;
     }
 }

@@ -6,8 +6,8 @@ use crate::prefill::{GroupedPath, StepPtrs};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use moe_codegen::{
-    render, routing_smem_bytes, static_smem_bytes, ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec,
-    TOKEN_TILES,
+    decode_mid_floats, decode_smem_bytes, render, routing_smem_bytes, static_smem_bytes, ActDtype, DecodeTiles,
+    KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
 };
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -40,11 +40,15 @@ impl ActElem for half::f16 {
 struct TileFns {
     tile: u32,
     gate_up: CudaFunction,
-    down: CudaFunction,
     fused: CudaFunction,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
-    down_blocks_per_sm: u32,
+}
+
+/// The down kernel (one for every token tile).
+struct DownFn {
+    f: CudaFunction,
+    blocks_per_sm: u32,
 }
 
 pub struct MoeLayer {
@@ -60,6 +64,7 @@ pub struct MoeLayer {
     w2: CudaSlice<u8>,
     w2_scales: CudaSlice<u8>,
     tiles: Vec<TileFns>,
+    down: DownFn,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
     /// Count of out-of-range expert ids the kernels met.
@@ -144,24 +149,17 @@ impl MoeLayer {
         let stream = device.stream().clone();
         let warps = src.block_threads / 32;
         let sizing_smem = routing_smem_bytes(&spec, 64);
+        let occ = |f: &CudaFunction| -> Result<u32> {
+            Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1) as u32)
+        };
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
             let gate_up = module.load_function(&format!("moe_gate_up_t{t}"))?;
-            let down = module.load_function(&format!("moe_down_t{t}"))?;
             let fused = module.load_function(&format!("moe_fused_t{t}"))?;
-            let occ = |f: &CudaFunction| -> Result<u32> {
-                Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1)
-                    as u32)
-            };
-            tiles.push(TileFns {
-                tile: t,
-                gate_up_blocks_per_sm: occ(&gate_up)?,
-                down_blocks_per_sm: occ(&down)?,
-                gate_up,
-                down,
-                fused,
-            });
+            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up, fused });
         }
+        let down_f = module.load_function("moe_down")?;
+        let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         // Formats without scales still get a small buffer so every pointer is valid.
         let nonempty = |v: &[u8]| if v.is_empty() { vec![0u8; 16] } else { v.to_vec() };
         let layer = MoeLayer {
@@ -175,7 +173,8 @@ impl MoeLayer {
             w2: stream.clone_htod(&weights.w2)?,
             w2_scales: stream.clone_htod(&nonempty(&weights.w2_scales))?,
             tiles,
-            mid: Mutex::new(stream.alloc_zeros::<f32>(spec.top_k() as usize * spec.intermediate() as usize)?),
+            down,
+            mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(&spec, 1))?),
             errors: stream.alloc_zeros::<i32>(1)?,
             ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
             validate_routing: cfg!(debug_assertions),
@@ -244,7 +243,7 @@ impl MoeLayer {
     }
 
     fn reserve_decode(&self, max_tokens: usize) -> Result<()> {
-        let need = max_tokens * self.spec.top_k() as usize * self.spec.intermediate() as usize;
+        let need = decode_mid_floats(&self.spec, max_tokens as u32);
         let mut mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         if mid.len() < need {
             // Growing means a sync and an allocation, which would invalidate a graph capture.
@@ -457,7 +456,7 @@ impl MoeLayer {
 
     fn forward_decode(&self, m: usize, p: &StepPtrs) -> Result<()> {
         let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
-        let smem = routing_smem_bytes(&self.spec, m as u32);
+        let smem = decode_smem_bytes(&self.spec, m as u32);
         if smem + self.static_smem > self.max_smem {
             return Err(RuntimeError::StepTooLarge { m, need: smem + self.static_smem, max: self.max_smem });
         }
@@ -465,7 +464,7 @@ impl MoeLayer {
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
-        for f in [&fns.gate_up, &fns.down, &fns.fused] {
+        for f in [&fns.gate_up, &self.down.f, &fns.fused] {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -482,7 +481,7 @@ impl MoeLayer {
         let block = self.warps * 32;
         let pairs = (m * k) as u64;
         let gu_items = pairs.min(self.spec.experts() as u64) * self.spec.intermediate() as u64;
-        let dn_items = h as u64 * (m as u64).div_ceil(tile as u64);
+        let dn_items = h as u64 * m as u64;
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
         if self.fused {
@@ -522,7 +521,10 @@ impl MoeLayer {
             ];
             // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
             // touches memory its predecessor may use, so only launch latency overlaps.
-            launch(&fns.gate_up, s, grid(gu_items, fns.gate_up_blocks_per_sm), block, smem, true, &mut gu)?;
+            // Staged activations can take more shared memory than the load-time sizing assumed.
+            let gu_per_sm = fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+            let gu_per_sm = (gu_per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
+            launch(&fns.gate_up, s, grid(gu_items, gu_per_sm), block, smem, true, &mut gu)?;
             let mut dn = [
                 as_arg(&mut midp),
                 as_arg(&mut idp),
@@ -532,7 +534,7 @@ impl MoeLayer {
                 as_arg(&mut yp),
                 &mut m_i32 as *mut i32 as *mut c_void,
             ];
-            launch(&fns.down, s, grid(dn_items, fns.down_blocks_per_sm), block, smem, true, &mut dn)?;
+            launch(&self.down.f, s, grid(dn_items, self.down.blocks_per_sm), block, smem, true, &mut dn)?;
         }
         Ok(())
     }

@@ -92,6 +92,8 @@ static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
 static inline __half2 u32_as_h2(unsigned u) { __half2 h; std::memcpy(&h, &u, 4); return h; }
 static inline unsigned h2_as_u32(__half2 h) { unsigned u; std::memcpy(&u, &h, 4); return u; }
 static inline float2 h2_to_f2(unsigned u) { return __half22float2(u32_as_h2(u)); }
+template <unsigned B, unsigned C>
+static inline unsigned and_or(unsigned a) { return (a & B) | C; }
 
 // prmt.b32 default mode: result byte k = byte (s >> 4k) & 7 of {y, x} (x bytes 0-3, y 4-7).
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
