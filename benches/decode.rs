@@ -263,21 +263,14 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
             (d, true),
             (DecodeTiles { dn_chunk: (d.dn_chunk / 2).max(1), ..d }, false),
             (DecodeTiles { dn_chunk: d.dn_chunk * 2, ..d }, false),
-            (DecodeTiles { gu_min_blocks: 3, ..d }, false),
-            (DecodeTiles { gu_min_blocks: 3, dn_chunk: d.dn_chunk * 2, ..d }, false),
+            (DecodeTiles { gu_chunk: (d.gu_chunk / 2).max(1), ..d }, false),
+            (DecodeTiles { dn_chunk: 8, ..d }, false),
             (DecodeTiles { warps: 4, ..d }, false),
         ];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
-            let mut line = format!(
-                "{:<9} {kind} w{} gu{}/{} dn{}:",
-                format.name(),
-                t.warps,
-                t.gu_chunk,
-                t.gu_min_blocks,
-                t.dn_chunk
-            );
+            let mut line = format!("{:<9} {kind} w{} gu{} dn{}:", format.name(), t.warps, t.gu_chunk, t.dn_chunk);
             for m in [1, 2, 8] {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;

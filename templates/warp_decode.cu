@@ -14,7 +14,6 @@ constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
-constexpr int GU_MIN_BLOCKS = {{ gu_min_blocks }};  // gate_up's blocks per SM to budget registers for
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
 
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
@@ -406,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     down_phase<1, false>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
 {%- for mt in token_tiles %}
-extern "C" __global__ void __launch_bounds__(WARPS * 32, GU_MIN_BLOCKS) moe_gate_up_t{{ mt }}(
+extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
