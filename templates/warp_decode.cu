@@ -51,7 +51,7 @@ __device__ __forceinline__ void stage_x(const act_t* __restrict__ x, int m, floa
         widen8(wide, (const act_t*)nullptr, f);
         xs[((t * VPL_H + (v >> 5)) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
     }
-    __syncthreads();
+    // No barrier here: callers stage before build_routing, whose barriers order these stores.
 }
 
 // W_VEC activations of token t starting at vector v, as fp32: from the staged copy when there is
@@ -275,12 +275,14 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                                            const float* __restrict__ mid, const uint4* __restrict__ w2,
                                            const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
                                            const int* __restrict__ ready) {
-    if (!FUSED) pdl_wait();  // mid is gate_up's output
     const int lane = threadIdx.x & 31;
     const long items = (long)HIDDEN * m;
     const long stride = (long)gridDim.x * WARPS;
     long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (item >= items) return;
+    if (item >= items) {
+        if (!FUSED) pdl_wait();
+        return;
+    }
 
     auto load = [&](long it, int c, uint4 (&wv)[DN_CHUNK], WScale (&ws)[DN_CHUNK], float (&rs)[DN_CHUNK]) {
         const int h = (int)(it / m);
@@ -324,7 +326,10 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
     uint4 wv[DN_CHUNK];
     WScale wsc[DN_CHUNK];
     float rsc[DN_CHUNK];
+    // The weights and the step's routing do not depend on gate_up: the first unit's loads go out
+    // before waiting for it, so they overlap its tail.
     load(item, 0, wv, wsc, rsc);
+    if (!FUSED) pdl_wait();  // mid is gate_up's output
     wait_ready(item);
     int c0 = 0;
     float acc = 0.0f;
@@ -412,9 +417,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
     if (xs) stage_x(x, m, xs);
+    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
@@ -425,14 +430,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();
+    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
+    if (xs) stage_x(x, m, xs);
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 0);
     int* sid = routing_scratch(smem, m * TOP_K, EXPERTS, 2);
     float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
-    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
-    if (xs) stage_x(x, m, xs);
     gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done);
     // Publish this block's finished passes: one fence for the whole phase.
     __threadfence();
