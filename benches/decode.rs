@@ -261,16 +261,16 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
         let configs = [
             (d, false),
             (d, true),
-            (DecodeTiles { dn_chunk: (d.dn_chunk / 2).max(1), ..d }, false),
-            (DecodeTiles { dn_chunk: d.dn_chunk * 2, ..d }, false),
-            (DecodeTiles { gu_chunk: (d.gu_chunk / 2).max(1), ..d }, false),
-            (DecodeTiles { dn_chunk: 8, ..d }, false),
+            (DecodeTiles { dn_chunk: 4, ..d }, false),
+            (DecodeTiles { stage_x: !d.stage_x, ..d }, false),
+            (DecodeTiles { stage_x: !d.stage_x, dn_chunk: 4, ..d }, false),
             (DecodeTiles { warps: 4, ..d }, false),
         ];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
-            let mut line = format!("{:<9} {kind} w{} gu{} dn{}:", format.name(), t.warps, t.gu_chunk, t.dn_chunk);
+            let xs = if t.stage_x { "xs" } else { "xg" };
+            let mut line = format!("{:<9} {kind} w{} gu{} dn{} {xs}:", format.name(), t.warps, t.gu_chunk, t.dn_chunk);
             for m in [1, 2, 8] {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;

@@ -101,6 +101,9 @@ pub struct DecodeTiles {
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
     pub dn_chunk: u32,
+    /// Whether gate_up stages the step's activations in shared memory as fp32 (when they fit
+    /// in [`X_STAGE_MAX_BYTES`]); the host sizes shared memory for it either way.
+    pub stage_x: bool,
 }
 
 /// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
@@ -109,14 +112,16 @@ pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
 impl DecodeTiles {
     /// The default tiles for a spec: enough bytes in flight per warp to cover DRAM latency
     /// without spilling. down's chunk divides the vectors each lane owns per item when it can,
-    /// so that no unit runs with idle slots; on the H100 at M = 1 chunks of 6-8 measured 7-12%
-    /// faster than 3-4.
+    /// so that no unit runs with idle slots. 4-bit items are short (6 vectors per lane for
+    /// Qwen3), and loading one whole measured 9% faster than units of 3-4 on the H100 at M = 1;
+    /// wider formats measured the same with 4 as with 6-8, at fewer registers.
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
-        let dn_chunk = (4..=8).rev().find(|c| dn_vpl % c == 0).unwrap_or(dn_vpl.min(8));
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk }
+        let cap = if vec >= 32 { 8 } else { 4 };
+        let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -197,7 +202,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         warps: tiles.warps,
         gu_chunk: tiles.gu_chunk,
         dn_chunk: tiles.dn_chunk,
-        xs_max_bytes: X_STAGE_MAX_BYTES,
+        xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
@@ -526,10 +531,10 @@ mod tests {
     fn tiles_and_smem() {
         let s = qwen(WeightFormat::Bf16);
         let t = DecodeTiles::for_spec(&s);
-        // down: 8 rows x 96 vectors = 24 per lane, in units of 8; 4-bit: 6 per lane, one unit.
-        assert_eq!((t.gu_chunk, t.dn_chunk), (4, 8));
+        // down: 8 rows x 96 vectors = 24 per lane, in units of 4; 4-bit: 6 per lane, one unit.
+        assert_eq!((t.gu_chunk, t.dn_chunk), (4, 4));
         assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Int4G128)).dn_chunk, 6);
-        assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3)).dn_chunk, 6);
+        assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3)).dn_chunk, 4);
         // A 4-bit intermediate row of 768 is 24 vectors of 32, padded to one chunk of 32.
         assert_eq!(decode_mid_floats(&qwen(WeightFormat::Int4G128), 2), 2 * 8 * 1024);
         assert_eq!(decode_mid_floats(&s, 1), 8 * 768);
