@@ -16,6 +16,7 @@ constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
 
+static_assert((long)EXPERTS * INTER < 2147483647L, "gate_up's work indices are 32-bit");
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
 using W2 = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 
@@ -148,19 +149,20 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
                                               float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
-    const long items = (long)r.num_unique * INTER;
-    const long stride = (long)gridDim.x * WARPS;
-    long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
+    const int items = r.num_unique * INTER;
+    const int stride = gridDim.x * WARPS;
+    int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (item >= items) return;
 
     // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
     int base = 0, c0 = 0;
     uint4 gv[GU_CHUNK], uv[GU_CHUNK];
     WScale gsc[GU_CHUNK], usc[GU_CHUNK];  // group scales travel with their weights
-    auto rows = [&](long it, long& grow) {
+    auto rows = [&](int it, long& grow) {
         grow = (long)r.uexp[it / INTER] * 2 * INTER + it % INTER;
     };
-    auto load = [&](long it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK], WScale (&gs)[GU_CHUNK],
+    auto load = [&](int it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK], WScale (&gs)[GU_CHUNK],
                     WScale (&us)[GU_CHUNK]) {
         long grow;
         rows(it, grow);
@@ -181,7 +183,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     int pair[MT];
     int tok[MT];
     float ag[MT], au[MT];
-    auto setup = [&](long it, int b) {
+    auto setup = [&](int it, int b) {
         const int u = (int)(it / INTER);
         const int* ent = r.entries + r.uoff[u];
         nt = min(MT, r.ucnt[u] - b);
@@ -196,7 +198,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     load(item, 0, gv, uv, gsc, usc);
     setup(item, 0);
     while (true) {
-        long nitem = item;
+        int nitem = item;
         int nbase = base, nc0 = c0 + GU_CHUNK;
         if (nc0 >= VPL_H) {
             nc0 = 0;
@@ -276,17 +278,17 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                                            const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
                                            const int* __restrict__ ready) {
     const int lane = threadIdx.x & 31;
-    const long items = (long)HIDDEN * m;
-    const long stride = (long)gridDim.x * WARPS;
-    long item = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int items = HIDDEN * m;  // 32-bit: the host bounds it
+    const int stride = gridDim.x * WARPS;
+    int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (item >= items) {
         if (!FUSED) pdl_wait();
         return;
     }
 
-    auto load = [&](long it, int c, uint4 (&wv)[DN_CHUNK], WScale (&ws)[DN_CHUNK], float (&rs)[DN_CHUNK]) {
-        const int h = (int)(it / m);
-        const int t = (int)(it - (long)h * m);
+    auto load = [&](int it, int c, uint4 (&wv)[DN_CHUNK], WScale (&ws)[DN_CHUNK], float (&rs)[DN_CHUNK]) {
+        const int h = it / m;
+        const int t = it - h * m;
 #pragma unroll
         for (int i = 0; i < DN_CHUNK; ++i) {
             const int f = (c + i) * 32 + lane;
@@ -303,10 +305,10 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
             }
         }
     };
-    auto wait_ready = [&](long it) {
+    auto wait_ready = [&](int it) {
         if constexpr (FUSED) {
             // Every pass of gate_up over this token's experts must have landed.
-            const int t = (int)(it % m);
+            const int t = it % m;
             if (lane < TOP_K) {
                 const int e = sid[t * TOP_K + lane];
                 if (e >= 0) {
@@ -334,7 +336,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
     int c0 = 0;
     float acc = 0.0f;
     while (true) {
-        long nitem = item;
+        int nitem = item;
         int nc0 = c0 + DN_CHUNK;
         if (nc0 >= DN_VPL) {
             nc0 = 0;
@@ -345,8 +347,8 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
         WScale wsn[DN_CHUNK];
         float rsn[DN_CHUNK];
         if (more) load(nitem, nc0, wn, wsn, rsn);  // in flight during this unit's math
-        const int h = (int)(item / m);
-        const int t = (int)(item - (long)h * m);
+        const int h = item / m;
+        const int t = item - h * m;
 #pragma unroll
         for (int i = 0; i < DN_CHUNK; ++i) {
             const int f = (c0 + i) * 32 + lane;

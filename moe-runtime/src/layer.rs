@@ -456,6 +456,11 @@ impl MoeLayer {
 
     fn forward_decode(&self, m: usize, p: &StepPtrs) -> Result<()> {
         let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
+        // down's work index (hidden output, token) is 32-bit.
+        let max = i32::MAX as usize / h;
+        if m > max {
+            return Err(RuntimeError::DecodeStepTooLarge { m, max });
+        }
         let smem = decode_smem_bytes(&self.spec, m as u32);
         if smem + self.static_smem > self.max_smem {
             return Err(RuntimeError::StepTooLarge { m, need: smem + self.static_smem, max: self.max_smem });
