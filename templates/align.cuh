@@ -4,6 +4,7 @@
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
+//   tile_span[tile]             (first tile, tiles) of that expert, for the GEMMs' work order
 // Out-of-range ids are skipped and counted in *errors. `counts` is zero on entry to
 // moe_align_count and left zero by moe_align_scan for the next step.
 constexpr int ALIGN_THREADS = 1024;
@@ -27,11 +28,11 @@ moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts
         if (hist[e]) atomicAdd(&counts[e], hist[e]);
 }
 
-// One block: tiles per expert, their exclusive scan, the tile -> expert map, each expert's first
-// row (cursor) and its padding rows.
+// One block: tiles per expert, their exclusive scan, the tile -> expert map and spans, each
+// expert's first row (cursor) and its padding rows.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-               int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+               int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int warp_total[ALIGN_THREADS / 32];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int count = tid < EXPERTS ? counts[tid] : 0;
@@ -57,7 +58,10 @@ moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restri
     const int first_tile = incl - tiles + (warp > 0 ? warp_total[warp - 1] : 0);
     if (tid == ALIGN_THREADS - 1) *num_tiles = warp_total[31];
     if (tid < EXPERTS) {
-        for (int j = 0; j < tiles; ++j) tile_expert[first_tile + j] = tid;
+        for (int j = 0; j < tiles; ++j) {
+            tile_expert[first_tile + j] = tid;
+            tile_span[first_tile + j] = make_int2(first_tile, tiles);
+        }
         cursor[tid] = first_tile * BM;
         for (int pos = first_tile * BM + count; pos < (first_tile + tiles) * BM; ++pos) sorted_rows[pos] = -1;
         counts[tid] = 0;

@@ -7,7 +7,6 @@
 // The accumulator is float acc[MF * NF * 4]: fragment (mf, nf) holds rows row0 + 16 mf + lane / 4
 // (+ 8 for i >= 2) and columns col0 + 8 nf + 2 (lane % 4) (+ 1 for odd i), the mma C layout.
 constexpr int BK_BYTES = 128;
-constexpr int GEMM_THREADS = 256;
 // bf16 on wgmma leaves one k-tile's MMAs in flight while the next is issued; fp8 must read each
 // k-tile's partial sums (to scale them), so it waits. A stage is refilled only once no MMA in
 // flight can still read it, which leaves STAGES - 1 - INFLIGHT k-tiles loading ahead.

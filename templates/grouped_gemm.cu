@@ -4,6 +4,7 @@
 // Tokens are regrouped by expert into tiles of BM rows (align.cuh); a tile never mixes experts,
 // so each block's B operand is one expert's weights.
 #define MOE_WGMMA {{ wgmma }}
+#define MOE_WS {{ ws }}  // warp-specialised GEMMs (gemm_ws.cuh)
 {% include "common.cuh" %}
 {% include "activation.cuh" %}
 
@@ -28,10 +29,17 @@ static_assert(INTER % (BN1 / 2) == 0 && HIDDEN % BN2 == 0, "whole column tiles")
 constexpr int NT1 = INTER / (BN1 / 2);
 constexpr int NT2 = HIDDEN / BN2;
 constexpr int ELEMWISE_THREADS = 256;
+constexpr int GEMM_THREADS = MOE_WS ? 384 : 256;
+constexpr int GROUP_TILES = {{ group_tiles }};  // row tiles of an expert side by side (work_item)
+// A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
 
 {% include "router.cuh" %}
 {% include "align.cuh" %}
 {% include "gemm_tile.cuh" %}
+{% if ws == 1 %}{% include "gemm_ws.cuh" %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 
@@ -70,19 +78,156 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
     quant_rows<INTER>(mid, 0, num_tiles, q, s);
 }
 
+// Work item w of a GEMM with nt column blocks -> its row tile, column block and expert. An
+// expert's items run column-block-major over groups of up to GROUP_TILES of its row tiles, so the
+// blocks of a wave share each weight tile (and each row tile) through L2 rather than streaming
+// the expert's weights once per row tile. tile_span[tile] = (first tile, tiles) of its expert.
+struct Work {
+    int tile, nblk, e;
+};
+__device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict__ tile_span,
+                                          const int* __restrict__ tile_expert) {
+    const int2 sp = tile_span[w / nt];
+    const int l = w - sp.x * nt;
+    const int g = l / (GROUP_TILES * nt);
+    const int gs = min(GROUP_TILES, sp.y - g * GROUP_TILES);
+    const int r = l - g * GROUP_TILES * nt;
+    const int tile = sp.x + g * GROUP_TILES + r % gs;
+    return Work{tile, r / gs, tile_expert[tile]};
+}
+
+// SwiGLU of one thread's pair of adjacent neurons n, n + 1 in row `row` of mid.
+__device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int n, int e, const float* g, const float* u,
+                                          const float* __restrict__ w13_scales) {
+    float sg0 = 1.f, sg1 = 1.f, su0 = 1.f, su1 = 1.f;
+    if (WSCALE == 1) {
+        const float* s = w13_scales + (long)e * 2 * INTER;
+        sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
+    }
+    act_t v[2] = {(act_t)(moe_act(g[0] * sg0) * (u[0] * su0)), (act_t)(moe_act(g[1] * sg1) * (u[1] * su1))};
+    *reinterpret_cast<unsigned*>(mid + (long)row * INTER + n) = *reinterpret_cast<const unsigned*>(v);
+}
+
+// GEMM2's outputs n, n + 1 of row pos (pair p): the routing weight (and per-channel scale), then
+// added into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or written to rows out[pos, n]
+// for moe_combine_rows.
+template <bool ATOMIC>
+__device__ __forceinline__ void store_out(float* __restrict__ out, int pos, int p, int e, int n, float a0, float a1,
+                                          const float* __restrict__ topk_weights, const float* __restrict__ w2_scales) {
+    const float rw = topk_weights[p];
+    float2 v = make_float2(a0 * rw, a1 * rw);
+    if (WSCALE == 1) {
+        v.x *= w2_scales[(long)e * HIDDEN + n];
+        v.y *= w2_scales[(long)e * HIDDEN + n + 1];
+    }
+    if (ATOMIC) {
+        float* dst = out + (long)(p / TOP_K) * HIDDEN + n;
+        asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
+    } else {
+        *reinterpret_cast<float2*>(out + (long)pos * HIDDEN + n) = v;
+    }
+}
+
+#if MOE_WS
+// GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. B stages hold
+// BN1 / 2 gate rows, then the same neurons' up rows (two TMA boxes), so a consumer thread holds
+// neuron n's gate in fragment q and its up in fragment q + NF / 2.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
+          const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+          const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
+          int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
+    using S = WsShape<BN1>;
+    const int lane = threadIdx.x % 32;
+    auto item = [&](int w) { return work_item(w, NT1, tile_span, tile_expert); };
+    auto a_row = [&](const Work& it, int r) -> const char* {
+        const int p = sorted_rows[it.tile * BM + r];
+        return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
+    };
+    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
+        const int row = it.e * 2 * INTER + it.nblk * (BN1 / 2);
+        tma_load_2d(dst, b_map, kt * (BK_BYTES / ELEM_BYTES), row, bar);
+        tma_load_2d(dst + BN1 / 2 * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + INTER, bar);
+    };
+    auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
+        float sa[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int p = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
+            sa[h] = a_scales[(long)(p < 0 ? 0 : p / TOP_K) * KT1 + kt];
+        }
+        const long n = (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
+        const float bg = WSCALE == 2 ? w13_scales[n / 128 * KT1 + kt] : 1.f;
+        const float bu = WSCALE == 2 ? w13_scales[(n + INTER) / 128 * KT1 + kt] : 1.f;
+#pragma unroll
+        for (int nf = 0; nf < S::NF; ++nf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nf * 4 + i] += pt[nf * 4 + i] * sa[i / 2] * (nf < S::NF / 2 ? bg : bu);
+    };
+    auto epilogue = [&](const Work& it, const float* acc, int row0) {
+#pragma unroll
+        for (int q = 0; q < S::NF / 2; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                store_mid(mid, it.tile * BM + row0 + lane / 4 + 8 * h, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e,
+                          acc + q * 4 + 2 * h, acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+    };
+    ws_gemm<BN1, KT1>(smem, *num_tiles * NT1, work_counter, item, a_row, b_load, promote, epilogue);
+}
+
+template <bool ATOMIC>
+__device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
+                                      const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
+                                      const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+                                      const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
+                                      float* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
+    using S = WsShape<BN2>;
+    const int lane = threadIdx.x % 32;
+    auto item = [&](int w) { return work_item(w, NT2, tile_span, tile_expert); };
+    // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
+    auto a_row = [&](const Work& it, int r) -> const char* {
+        return (const char*)a + (long)(it.tile * BM + r) * INTER * ELEM_BYTES;
+    };
+    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
+        tma_load_2d(dst, b_map, kt * (BK_BYTES / ELEM_BYTES), it.e * HIDDEN + it.nblk * BN2, bar);
+    };
+    auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
+        const float b = WSCALE == 2 ? w2_scales[((long)it.e * HIDDEN + it.nblk * BN2) / 128 * KT2 + kt] : 1.f;
+        float sa[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sa[h] = a_scales[(long)(it.tile * BM + row0 + lane / 4 + 8 * h) * KT2 + kt] * b;
+#pragma unroll
+        for (int j = 0; j < S::ACC; ++j) acc[j] += pt[j] * sa[(j % 4) / 2];
+    };
+    auto epilogue = [&](const Work& it, const float* acc, int row0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int pos = it.tile * BM + row0 + lane / 4 + 8 * h;
+            const int p = sorted_rows[pos];
+            if (p < 0) continue;
+#pragma unroll
+            for (int nf = 0; nf < S::NF; ++nf)
+                store_out<ATOMIC>(out, pos, p, it.e, it.nblk * BN2 + 8 * nf + 2 * (lane % 4), acc[nf * 4 + 2 * h],
+                                  acc[nf * 4 + 2 * h + 1], topk_weights, w2_scales);
+        }
+    };
+    ws_gemm<BN2, KT2>(smem, *num_tiles * NT2, work_counter, item, a_row, b_load, promote, epilogue);
+}
+#else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
 // interleave by 8: 16 q + (0..7) are gate neurons nb + 8 q + (0..7), 16 q + (8..15) the up ones,
 // so one thread holds a neuron's gate and up accumulators.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
-          const int* __restrict__ tile_expert, const int* __restrict__ num_tiles, const void* __restrict__ w13,
-          const float* __restrict__ w13_scales, act_t* __restrict__ mid) {
+          const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+          const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
+          int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using T = TileShape<BN1>;
     const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const int tile = w / NT1, nb = (w % NT1) * (BN1 / 2);
-        const int e = tile_expert[tile];
+        const Work it = work_item(w, NT1, tile_span, tile_expert);
+        const int tile = it.tile, nb = it.nblk * (BN1 / 2), e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
 #pragma unroll
@@ -128,40 +273,28 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
-            for (int q = 0; q < T::NF / 2; ++q) {
-                const int n = nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4);
-                float sg0 = 1.f, sg1 = 1.f, su0 = 1.f, su1 = 1.f;
-                if (WSCALE == 1) {
-                    const float* s = w13_scales + (long)e * 2 * INTER;
-                    sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
-                }
+            for (int q = 0; q < T::NF / 2; ++q)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = frag_row(row0, mf, 2 * h);
-                    const float* g = acc + (mf * T::NF + 2 * q) * 4 + 2 * h;
-                    const float* u = acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h;
-                    act_t* out = mid + (long)(tile * BM + r) * INTER + n;
-                    out[0] = (act_t)(moe_act(g[0] * sg0) * (u[0] * su0));
-                    out[1] = (act_t)(moe_act(g[1] * sg1) * (u[1] * su1));
-                }
-            }
+                for (int h = 0; h < 2; ++h)
+                    store_mid(mid, tile * BM + frag_row(row0, mf, 2 * h), nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4),
+                              e, acc + (mf * T::NF + 2 * q) * 4 + 2 * h, acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h,
+                              w13_scales);
     }
 }
 
-// GEMM2: out = weight_p * (mid[pos] . w2_n) for the pair p in row pos. ATOMIC: added into the
-// f32 token rows y32[t, n] (zeroed before); else written to rows out[pos, n] for moe_combine.
+// GEMM2: out = weight_p * (mid[pos] . w2_n) for the pair p in row pos (store_out).
 template <bool ATOMIC>
 __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
-                                      const int* __restrict__ num_tiles, const void* __restrict__ w2,
-                                      const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
-                                      float* __restrict__ out) {
+                                      const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+                                      const void* __restrict__ w2, const float* __restrict__ w2_scales,
+                                      const float* __restrict__ topk_weights, float* __restrict__ out) {
     using T = TileShape<BN2>;
     const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const int tile = w / NT2, nb = (w % NT2) * BN2;
-        const int e = tile_expert[tile];
+        const Work it = work_item(w, NT2, tile_span, tile_expert);
+        const int tile = it.tile, nb = it.nblk * BN2, e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
         // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
@@ -199,34 +332,31 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                 const int pos = tile * BM + frag_row(row0, mf, 2 * h);
                 const int p = sorted_rows[pos];
                 if (p < 0) continue;
-                const float rw = topk_weights[p];
 #pragma unroll
-                for (int nf = 0; nf < T::NF; ++nf) {
-                    const int n = nb + frag_col(col0, nf, 0);
-                    float2 v = make_float2(acc[(mf * T::NF + nf) * 4 + 2 * h] * rw, acc[(mf * T::NF + nf) * 4 + 2 * h + 1] * rw);
-                    if (WSCALE == 1) {
-                        v.x *= w2_scales[(long)e * HIDDEN + n];
-                        v.y *= w2_scales[(long)e * HIDDEN + n + 1];
-                    }
-                    if (ATOMIC) {
-                        float* dst = out + (long)(p / TOP_K) * HIDDEN + n;
-                        asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
-                    } else {
-                        *reinterpret_cast<float2*>(out + (long)pos * HIDDEN + n) = v;
-                    }
-                }
+                for (int nf = 0; nf < T::NF; ++nf)
+                    store_out<ATOMIC>(out, pos, p, e, nb + frag_col(col0, nf, 0), acc[(mf * T::NF + nf) * 4 + 2 * h],
+                                      acc[(mf * T::NF + nf) * 4 + 2 * h + 1], topk_weights, w2_scales);
             }
     }
 }
+#endif
+
+#if MOE_WS
+#define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2_scales, topk_weights, out, work_counter, b_map
+#else
+#define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2, w2_scales, topk_weights, out
+#endif
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-                 const int* num_tiles, const void* w2, const float* w2_scales, const float* topk_weights, float* y32) {
-    gemm2<true>(a, a_scales, sorted_rows, tile_expert, num_tiles, w2, w2_scales, topk_weights, y32);
+                 const int2* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
+                 const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
+    gemm2<true>(MOE_GEMM2_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-               const int* num_tiles, const void* w2, const float* w2_scales, const float* topk_weights, float* rows) {
-    gemm2<false>(a, a_scales, sorted_rows, tile_expert, num_tiles, w2, w2_scales, topk_weights, rows);
+               const int2* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
+               const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
+    gemm2<false>(MOE_GEMM2_ARGS);
 }
 
 // Deterministic combine: y[t] = sum over slots s, in slot order, of rows[pair_pos[t * K + s]].

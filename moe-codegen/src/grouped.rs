@@ -30,6 +30,10 @@ pub struct GemmTiles {
     /// other's barriers, epilogues and pipeline fills, at half the registers and shared memory.
     pub blocks_per_sm: u32,
     pub mma: Mma,
+    /// wgmma only: a producer warpgroup (TMA for the weights, cp.async for the gathered rows)
+    /// feeds two consumer warpgroups through mbarriers, persistently across tiles. Otherwise
+    /// every thread loads and computes, with a block barrier per k-tile.
+    pub warp_specialized: bool,
 }
 
 /// Threads per block of the router (one warp per token).
@@ -40,6 +44,9 @@ pub const ALIGN_THREADS: u32 = 1024;
 pub const ELEMWISE_THREADS: u32 = 256;
 /// Bytes of K per pipeline stage and row.
 const BK_BYTES: u32 = 128;
+/// Row tiles of one expert that run side by side, column block by column block, so that a wave
+/// reads each weight tile once through L2 (see `work_item` in grouped_gemm.cu).
+const GROUP_TILES: u32 = 8;
 
 impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
@@ -50,9 +57,9 @@ impl GemmTiles {
         let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
         let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
         if mma == Mma::Wgmma && !fp8 {
-            // bf16 / fp16 on wgmma, measured on an H200 at M = 4096: 128 x 256 tiles in both GEMMs
-            // with 4 stages ran Qwen3-30B-A3B at 358 TFLOP/s and Mixtral at 497, against 336 and
-            // 422 with 128 x 128 tiles and 5 stages (the best of that shape).
+            // bf16 / fp16 on wgmma: 128 x 256 tiles in both GEMMs (4 stages of 48 KiB), which on
+            // the block-barrier pipeline already beat 128 x 128 (H200, M = 4096: Qwen3-30B-A3B 358
+            // against 336 TFLOP/s, Mixtral 497 against 422).
             return GemmTiles {
                 bm: 128,
                 bn1: 2 * widest(i, &[128, 64, 32]),
@@ -60,6 +67,19 @@ impl GemmTiles {
                 stages: 4,
                 blocks_per_sm: 1,
                 mma,
+                warp_specialized: true,
+            };
+        }
+        if mma == Mma::Wgmma {
+            // fp8 keeps a second accumulator to scale each k-tile: 128-wide tiles, 6 stages of 32 KiB.
+            return GemmTiles {
+                bm: 128,
+                bn1: 2 * widest(i, &[64, 32]),
+                bn2: widest(h, &[128, 64]),
+                stages: 6,
+                blocks_per_sm: 1,
+                mma,
+                warp_specialized: true,
             };
         }
         GemmTiles {
@@ -71,28 +91,38 @@ impl GemmTiles {
             stages: if arch == Arch::Sm120a { 3 } else { 4 },
             blocks_per_sm: 1,
             mma,
+            warp_specialized: false,
         }
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm` (e.g. `128,128,4,1`) over these defaults.
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws]` (e.g. `128,128,4,1` or `256,256,4,1,0`) over
+    /// these defaults; `ws` is 1 for the warp-specialised pipeline, 0 for the block-barrier one.
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
         let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
-        let [bn1, bn2, stages, blocks_per_sm] = v[..] else { return None };
-        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, ..self })
+        let (bn1, bn2, stages, blocks_per_sm, ws) = match v[..] {
+            [a, b, c, d] => (a, b, c, d, self.warp_specialized),
+            [a, b, c, d, w @ (0 | 1)] => (a, b, c, d, w == 1),
+            _ => return None,
+        };
+        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, ..self })
     }
 
-    /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages and 1 KiB of
-    /// alignment slack.
+    /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages, 1 KiB of alignment
+    /// slack and (warp-specialised) a full and an empty mbarrier and an item slot per stage, and
+    /// the producer's two item slots.
     pub fn smem_bytes(&self, bn: u32) -> u32 {
-        self.stages * (self.bm + bn) * BK_BYTES + 1024
+        let barriers = if self.warp_specialized { 20 * self.stages + 8 } else { 0 };
+        self.stages * (self.bm + bn) * BK_BYTES + 1024 + barriers
     }
 
-    /// Threads per GEMM block: eight warps that all load and all compute (two warpgroups on
-    /// wgmma). A warp-specialised variant (a loader warpgroup signalling two consumer warpgroups
-    /// through mbarriers) measured slower on the H200 (Qwen3 bf16 M = 4096: 303 against 336
-    /// TFLOP/s), so the kernels keep this shape.
+    /// Threads per GEMM block: warp-specialised, a producer warpgroup and two consumer
+    /// warpgroups; otherwise eight warps that all load and all compute.
     pub fn gemm_threads(&self) -> u32 {
-        256
+        if self.warp_specialized {
+            384
+        } else {
+            256
+        }
     }
 
     /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to whole tiles,
@@ -144,6 +174,8 @@ struct RouterCtx {
 struct GroupedGemmCu {
     name: String,
     wgmma: u32,
+    ws: u32,
+    group_tiles: u32,
     act_type: &'static str,
     hidden: u32,
     intermediate: u32,
@@ -171,6 +203,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     grouped_support(spec).map_err(unsupported)?;
     if tiles.mma == Mma::Wgmma && arch != Arch::Sm90a {
         return Err(unsupported("wgmma (it needs sm_90a)".into()));
+    }
+    if tiles.warp_specialized && (tiles.mma != Mma::Wgmma || tiles.blocks_per_sm != 1) {
+        return Err(unsupported("the warp-specialised pipeline without wgmma or with 2 blocks per SM".into()));
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
     let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
@@ -216,11 +251,21 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         Mma::MmaSync => "mma",
     };
     let t = tiles;
-    let name =
-        format!("{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}", spec.id(), t.bm, t.bn1, t.bn2, t.stages, t.blocks_per_sm);
+    let ws = if t.warp_specialized { "_ws" } else { "" };
+    let name = format!(
+        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}",
+        spec.id(),
+        t.bm,
+        t.bn1,
+        t.bn2,
+        t.stages,
+        t.blocks_per_sm
+    );
     let t = GroupedGemmCu {
         name: name.clone(),
         wgmma: (tiles.mma == Mma::Wgmma) as u32,
+        ws: tiles.warp_specialized as u32,
+        group_tiles: GROUP_TILES,
         act_type: spec.act_dtype().cuda_type(),
         hidden: h,
         intermediate: i,

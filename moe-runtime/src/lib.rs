@@ -15,6 +15,7 @@ pub mod prefill;
 pub mod reference;
 pub mod testing;
 pub mod timing;
+mod tma;
 pub mod toolkit;
 pub mod weights;
 

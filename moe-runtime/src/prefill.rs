@@ -7,6 +7,7 @@
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::layer::{launch, ptr};
+use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
 use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
@@ -35,6 +36,8 @@ pub struct Alignment {
     pub pair_pos: Vec<i32>,
     /// Expert of each tile.
     pub tile_expert: Vec<i32>,
+    /// (first tile, tiles) of each tile's expert, flattened.
+    pub tile_span: Vec<i32>,
     /// Tiles in use.
     pub num_tiles: i32,
 }
@@ -63,7 +66,11 @@ struct Scratch {
     cursor: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
+    /// int2 per tile: (first tile, tiles) of its expert.
+    tile_span: CudaSlice<i32>,
     num_tiles: CudaSlice<i32>,
+    /// The warp-specialised GEMMs' work counters (GEMM1, GEMM2), zeroed before each step.
+    work_counters: CudaSlice<i32>,
     /// GEMM1 output `[max_rows, I]` in the activation dtype.
     mid: CudaSlice<u8>,
     /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K.
@@ -170,7 +177,9 @@ impl GroupedPath {
             cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
+            tile_span: stream.alloc_zeros(2 * max_tiles)?,
             num_tiles: stream.alloc_zeros(1)?,
+            work_counters: stream.alloc_zeros(2)?,
             mid: stream.alloc_zeros(rows * i * 2)?,
             xq: stream.alloc_zeros(q(tokens * h))?,
             xs: stream.alloc_zeros(q(tokens * h / 128))?,
@@ -212,10 +221,11 @@ impl GroupedPath {
         let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
         let mut pairs32 = pairs as i32;
         let mut m32 = m as i32;
-        let (mut sorted, mut pos, mut tile_e, mut ntiles) = (
+        let (mut sorted, mut pos, mut tile_e, mut span, mut ntiles) = (
             ptr(&s.sorted_rows, stream),
             ptr(&s.pair_pos, stream),
             ptr(&s.tile_expert, stream),
+            ptr(&s.tile_span, stream),
             ptr(&s.num_tiles, stream),
         );
         let (mut ids, mut errors) = (p.ids, p.errors);
@@ -224,7 +234,14 @@ impl GroupedPath {
         unsafe {
             let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut counts), arg(&mut errors)];
             launch(&self.fns.align_count, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
-            let mut args = [arg(&mut counts), arg(&mut cursor), arg(&mut sorted), arg(&mut tile_e), arg(&mut ntiles)];
+            let mut args = [
+                arg(&mut counts),
+                arg(&mut cursor),
+                arg(&mut sorted),
+                arg(&mut tile_e),
+                arg(&mut span),
+                arg(&mut ntiles),
+            ];
             launch(&self.fns.align_scan, stream, 1, ALIGN_THREADS, 0, false, &mut args)?;
             let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut cursor), arg(&mut sorted), arg(&mut pos)];
             launch(&self.fns.align_scatter, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
@@ -248,16 +265,34 @@ impl GroupedPath {
         let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
         let grid1 = (max_tiles * nt1).min(self.gemm1_blocks as usize).max(1) as u32;
         let grid2 = (max_tiles * nt2).min(self.gemm2_blocks as usize).max(1) as u32;
+        // The weights' tensor maps (warp-specialised kernels): w13 in boxes of BN1 / 2 rows (gate,
+        // then up), w2 in boxes of BN2 rows.
+        let (mut w13_map, mut w2_map) = if self.tiles.warp_specialized {
+            let (e, hs, is) = (spec.experts() as u64, spec.hidden() as u64, spec.intermediate() as u64);
+            let eb = if self.fp8 { 1 } else { 2 };
+            (
+                TensorMap::k_major(p.w13, e * 2 * is, hs * eb, eb, self.tiles.bn1 / 2)?,
+                TensorMap::k_major(p.w2, e * hs, is * eb, eb, self.tiles.bn2)?,
+            )
+        } else {
+            (TensorMap::unused(), TensorMap::unused())
+        };
+        stream.memset_zeros(&mut s.work_counters)?;
+        let mut counter1 = ptr(&s.work_counters, stream);
+        let mut counter2 = counter1 + 4;
         unsafe {
             let mut args = [
                 arg(&mut a1),
                 arg(&mut a1s),
                 arg(&mut sorted),
                 arg(&mut tile_e),
+                arg(&mut span),
                 arg(&mut ntiles),
                 arg(&mut w13),
                 arg(&mut w13s),
                 arg(&mut mid),
+                arg(&mut counter1),
+                arg(&mut w13_map),
             ];
             launch(
                 &self.fns.gemm1,
@@ -292,11 +327,14 @@ impl GroupedPath {
                 arg(&mut a2s),
                 arg(&mut sorted),
                 arg(&mut tile_e),
+                arg(&mut span),
                 arg(&mut ntiles),
                 arg(&mut w2),
                 arg(&mut w2s),
                 arg(&mut weights),
                 arg(&mut out32),
+                arg(&mut counter2),
+                arg(&mut w2_map),
             ];
             launch(
                 gemm2,
@@ -337,6 +375,7 @@ impl GroupedPath {
             sorted_rows: stream.clone_dtoh(&s.sorted_rows)?,
             pair_pos: stream.clone_dtoh(&s.pair_pos)?,
             tile_expert: stream.clone_dtoh(&s.tile_expert)?,
+            tile_span: stream.clone_dtoh(&s.tile_span)?,
             num_tiles: stream.clone_dtoh(&s.num_tiles)?[0],
         })
     }

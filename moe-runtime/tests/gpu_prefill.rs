@@ -127,6 +127,13 @@ fn alignment_cases(k: usize) {
                 want_e.extend(std::iter::repeat_n(x as i32, c.div_ceil(128)));
             }
             assert_eq!(&tile_e[..want_tiles], &want_e[..], "{name} m={m}");
+            // Each tile's span: (first tile, tiles) of its expert, the GEMMs' work order.
+            let mut want_span = Vec::new();
+            for c in &count {
+                let (first, t) = (want_span.len() as i32 / 2, c.div_ceil(128) as i32);
+                (0..t).for_each(|_| want_span.extend([first, t]));
+            }
+            assert_eq!(&a.tile_span[..2 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
             let mut seen = vec![false; m * k];
             for (row, &p) in sorted[..want_tiles * 128].iter().enumerate() {
                 if p < 0 {
