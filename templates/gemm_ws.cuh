@@ -68,13 +68,15 @@ __device__ __forceinline__ void set_max_regs_inc() {
 //   b_load(item, kt, dst, bar) one thread: TMA the item's B k-tile (BN x 128 bytes) to dst
 //   promote(item, kt, part, acc, row0)  FP8: fold the k-tile's partial sums into acc
 //   epilogue(item, acc, row0)  consumer: the accumulator, rows row0 + lane / 4 (+ 8) of the tile
+// A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
+// padding rows close a tile) keeps the barrier protocol but skips its MMAs and its epilogue.
 // Consumer accumulators are the wgmma m64nBN layout: fragment nf, element i holds row
 // row0 + lane / 4 + 8 (i / 2) and column 8 nf + 2 (lane % 4) + i % 2.
 // Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers, the item
 // of each stage (-1: no more work) and the producer's two item slots.
 template <int BN, int KT, class Item, class ARow, class BLoad, class Promote, class Epilogue>
-__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
-                                        BLoad b_load, Promote promote, Epilogue epilogue) {
+__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, const int* __restrict__ sorted_rows,
+                                        Item item, ARow a_row, BLoad b_load, Promote promote, Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -147,6 +149,14 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             const int w = stage_item[s % STAGES];
             if (w < 0) break;
             const auto it = item(w);
+            if (sorted_rows[it.tile * BM + row0 - row0 % 64] < 0) {
+#pragma unroll 1
+                for (int kt = 0; kt < KT; ++kt, ++s) {
+                    if (kt > 0) mbar_wait(full(s % STAGES), (s / STAGES) & 1);
+                    release(s % STAGES);
+                }
+                continue;
+            }
             float acc[S::ACC];
             float part[FP8 ? S::ACC : 1];
             if (FP8)

@@ -172,7 +172,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 store_mid(mid, it.tile * BM + row0 + lane / 4 + 8 * h, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e,
                           acc + q * 4 + 2 * h, acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
     };
-    ws_gemm<BN1, KT1>(smem, *num_tiles * NT1, work_counter, item, a_row, b_load, promote, epilogue);
+    ws_gemm<BN1, KT1>(smem, *num_tiles * NT1, work_counter, sorted_rows, item, a_row, b_load, promote, epilogue);
 }
 
 template <bool ATOMIC>
@@ -184,9 +184,10 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
     auto item = [&](int w) { return work_item(w, NT2, tile_span, tile_expert); };
-    // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
+    // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
     auto a_row = [&](const Work& it, int r) -> const char* {
-        return (const char*)a + (long)(it.tile * BM + r) * INTER * ELEM_BYTES;
+        const int pos = it.tile * BM + r;
+        return sorted_rows[pos] < 0 ? nullptr : (const char*)a + (long)pos * INTER * ELEM_BYTES;
     };
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
         tma_load_2d(dst, b_map, kt * (BK_BYTES / ELEM_BYTES), it.e * HIDDEN + it.nblk * BN2, bar);
@@ -200,18 +201,47 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         for (int j = 0; j < S::ACC; ++j) acc[j] += pt[j] * sa[(j % 4) / 2];
     };
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
+        int pos[2], p[2];
+        float rw[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int pos = it.tile * BM + row0 + lane / 4 + 8 * h;
-            const int p = sorted_rows[pos];
-            if (p < 0) continue;
+            pos[h] = it.tile * BM + row0 + lane / 4 + 8 * h;
+            p[h] = sorted_rows[pos[h]];
+            rw[h] = p[h] < 0 ? 0.f : topk_weights[p[h]];
+        }
+        if (!ATOMIC) {
 #pragma unroll
-            for (int nf = 0; nf < S::NF; ++nf)
-                store_out<ATOMIC>(out, pos, p, it.e, it.nblk * BN2 + 8 * nf + 2 * (lane % 4), acc[nf * 4 + 2 * h],
-                                  acc[nf * 4 + 2 * h + 1], topk_weights, w2_scales);
+            for (int h = 0; h < 2; ++h)
+                if (p[h] >= 0)
+#pragma unroll
+                    for (int nf = 0; nf < S::NF; ++nf)
+                        store_out<false>(out, pos[h], p[h], it.e, it.nblk * BN2 + 8 * nf + 2 * (lane % 4),
+                                         acc[nf * 4 + 2 * h], acc[nf * 4 + 2 * h + 1], topk_weights, w2_scales);
+            return;
+        }
+        // Lanes 2j and 2j + 1 trade halves so that each adds four adjacent columns of one row
+        // (the even lane row h = 0, the odd one row h = 1) with one red.v4: half the atomics.
+        const int odd = lane & 1;
+#pragma unroll
+        for (int nf = 0; nf < S::NF; ++nf) {
+            const int n = it.nblk * BN2 + 8 * nf + 2 * (lane % 4);
+            float v[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    v[h][i] = acc[nf * 4 + 2 * h + i] * rw[h] * (WSCALE == 1 ? w2_scales[(long)it.e * HIDDEN + n + i] : 1.f);
+            const float r0 = __shfl_xor_sync(MOE_FULL_MASK, v[1 - odd][0], 1);
+            const float r1 = __shfl_xor_sync(MOE_FULL_MASK, v[1 - odd][1], 1);
+            if (p[odd] < 0) continue;
+            const float4 q = odd ? make_float4(r0, r1, v[1][0], v[1][1]) : make_float4(v[0][0], v[0][1], r0, r1);
+            float* dst = out + (long)(p[odd] / TOP_K) * HIDDEN + n - 2 * odd;
+            asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4 };" ::"l"(dst), "f"(q.x), "f"(q.y), "f"(q.z),
+                         "f"(q.w)
+                         : "memory");
         }
     };
-    ws_gemm<BN2, KT2>(smem, *num_tiles * NT2, work_counter, item, a_row, b_load, promote, epilogue);
+    ws_gemm<BN2, KT2>(smem, *num_tiles * NT2, work_counter, sorted_rows, item, a_row, b_load, promote, epilogue);
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
