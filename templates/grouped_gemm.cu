@@ -109,10 +109,10 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
 }
 
 // GEMM2's outputs n, n + 1 of row pos (pair p): the routing weight (and per-channel scale), then
-// added into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or written to rows out[pos, n]
-// for moe_combine_rows.
+// added into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or stored to the pair rows
+// rows[pos, n] in the activation dtype, which moe_combine_rows sums per token.
 template <bool ATOMIC>
-__device__ __forceinline__ void store_out(float* __restrict__ out, int pos, int p, int e, int n, float a0, float a1,
+__device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p, int e, int n, float a0, float a1,
                                           const float* __restrict__ topk_weights, const float* __restrict__ w2_scales) {
     const float rw = topk_weights[p];
     float2 v = make_float2(a0 * rw, a1 * rw);
@@ -121,10 +121,12 @@ __device__ __forceinline__ void store_out(float* __restrict__ out, int pos, int 
         v.y *= w2_scales[(long)e * HIDDEN + n + 1];
     }
     if (ATOMIC) {
-        float* dst = out + (long)(p / TOP_K) * HIDDEN + n;
+        float* dst = static_cast<float*>(out) + (long)(p / TOP_K) * HIDDEN + n;
         asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
     } else {
-        *reinterpret_cast<float2*>(out + (long)pos * HIDDEN + n) = v;
+        const act_t pair[2] = {(act_t)v.x, (act_t)v.y};
+        *reinterpret_cast<unsigned*>(static_cast<act_t*>(out) + (long)pos * HIDDEN + n) =
+            *reinterpret_cast<const unsigned*>(pair);
     }
 }
 
@@ -180,7 +182,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
                                       const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
                                       const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
-                                      float* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
+                                      void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
     auto item = [&](int w) { return work_item(w, NT2, tile_span, tile_expert); };
@@ -235,7 +237,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
             const float r1 = __shfl_xor_sync(MOE_FULL_MASK, v[1 - odd][1], 1);
             if (p[odd] < 0) continue;
             const float4 q = odd ? make_float4(r0, r1, v[1][0], v[1][1]) : make_float4(v[0][0], v[0][1], r0, r1);
-            float* dst = out + (long)(p[odd] / TOP_K) * HIDDEN + n - 2 * odd;
+            float* dst = static_cast<float*>(out) + (long)(p[odd] / TOP_K) * HIDDEN + n - 2 * odd;
             asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4 };" ::"l"(dst), "f"(q.x), "f"(q.y), "f"(q.z),
                          "f"(q.w)
                          : "memory");
@@ -318,7 +320,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
                                       const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
                                       const void* __restrict__ w2, const float* __restrict__ w2_scales,
-                                      const float* __restrict__ topk_weights, float* __restrict__ out) {
+                                      const float* __restrict__ topk_weights, void* __restrict__ out) {
     using T = TileShape<BN2>;
     const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
@@ -385,27 +387,32 @@ moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, c
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
                const int2* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
-               const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
+               const float* topk_weights, act_t* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
     gemm2<false>(MOE_GEMM2_ARGS);
 }
 
-// Deterministic combine: y[t] = sum over slots s, in slot order, of rows[pair_pos[t * K + s]].
+// The gather-reduce combine (deterministic): y[t] = sum over slots s, in slot order and in f32,
+// of rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns (16-byte loads).
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_combine_rows(const float* __restrict__ rows, const int* __restrict__ pair_pos, int m, act_t* __restrict__ y) {
-    const long n = (long)m * HIDDEN / 2;
+moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos, int m, act_t* __restrict__ y) {
+    static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
+    const long n = (long)m * HIDDEN / 8;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const long t = i / (HIDDEN / 2), c = 2 * (i % (HIDDEN / 2));
-        float2 sum = make_float2(0.f, 0.f);
+        const long t = i / (HIDDEN / 8), c = 8 * (i % (HIDDEN / 8));
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int s = 0; s < TOP_K; ++s) {
             const int pos = pair_pos[t * TOP_K + s];
             if (pos < 0) continue;
-            const float2 v = *reinterpret_cast<const float2*>(rows + (long)pos * HIDDEN + c);
-            sum.x += v.x;
-            sum.y += v.y;
+            const uint4 v = *reinterpret_cast<const uint4*>(rows + (long)pos * HIDDEN + c);
+            const act_t* e = reinterpret_cast<const act_t*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum[j] += (float)e[j];
         }
-        y[t * HIDDEN + c] = (act_t)sum.x;
-        y[t * HIDDEN + c + 1] = (act_t)sum.y;
+        act_t out[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[j] = (act_t)sum[j];
+        *reinterpret_cast<uint4*>(y + t * HIDDEN + c) = *reinterpret_cast<const uint4*>(out);
     }
 }
 

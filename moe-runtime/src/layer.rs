@@ -189,7 +189,7 @@ impl MoeLayer {
                 }
             },
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
-            deterministic: false,
+            deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
             stream,
         };
@@ -271,9 +271,12 @@ impl MoeLayer {
         self.prefill_threshold = tokens.max(1);
     }
 
-    /// Combine the grouped path's expert outputs in a fixed order (per token, slot by slot) instead
-    /// of with f32 atomics: bit-reproducible run to run, at the cost of writing and reading
-    /// `[M * top_k, H]` f32 rows.
+    /// How the grouped path combines expert outputs into token rows. `true` (the default): GEMM2
+    /// stores each (token, slot) row in the activation dtype and `moe_combine_rows` sums a
+    /// token's rows in slot order in f32, bit-reproducible run to run. `false`: GEMM2 adds into
+    /// f32 token rows with `red.global.add.v4.f32`, then converts. The gather-reduce measured
+    /// faster on the H100 (Qwen3-30B-A3B bf16 M = 4096: 788 against 918 us; Mixtral-8x7B even),
+    /// top-8 routing being 8 atomics per output.
     pub fn set_deterministic(&mut self, on: bool) {
         self.deterministic = on;
     }

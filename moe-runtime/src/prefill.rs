@@ -78,9 +78,9 @@ struct Scratch {
     xs: CudaSlice<f32>,
     midq: CudaSlice<u8>,
     mids: CudaSlice<f32>,
-    /// f32 token rows `[M, H]` for the atomic combine, or `[max_rows, H]` pair rows for the
-    /// deterministic one.
-    out32: CudaSlice<f32>,
+    /// The atomic combine's f32 token rows `[M, H]`, or the gather-reduce combine's pair rows
+    /// `[max_rows, H]` in the activation dtype (bytes).
+    out32: CudaSlice<u8>,
     /// Routing produced on the device from logits.
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
@@ -185,7 +185,8 @@ impl GroupedPath {
             xs: stream.alloc_zeros(q(tokens * h / 128))?,
             midq: stream.alloc_zeros(q(rows * i))?,
             mids: stream.alloc_zeros(q(rows * i / 128))?,
-            out32: stream.alloc_zeros(if deterministic { rows * h } else { tokens * h })?,
+            // Either combine may run on scratch reserved for the gather-reduce one.
+            out32: stream.alloc_zeros(if deterministic { (rows * h * 2).max(tokens * h * 4) } else { tokens * h * 4 })?,
             ids: stream.alloc_zeros(pairs)?,
             weights: stream.alloc_zeros(pairs)?,
         });
@@ -315,7 +316,7 @@ impl GroupedPath {
             unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, false, &mut args)? };
         }
         if !deterministic {
-            let mut y32_view = s.out32.slice_mut(0..m * h);
+            let mut y32_view = s.out32.slice_mut(0..m * h * 4);
             stream.memset_zeros(&mut y32_view)?;
         }
         let mut out32 = ptr(&s.out32, stream);
@@ -350,7 +351,7 @@ impl GroupedPath {
         unsafe {
             if deterministic {
                 let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut m32), arg(&mut y)];
-                launch(&self.fns.combine_rows, stream, elementwise(m * h / 2), ELEMWISE_THREADS, 0, false, &mut args)?;
+                launch(&self.fns.combine_rows, stream, elementwise(m * h / 8), ELEMWISE_THREADS, 0, false, &mut args)?;
             } else {
                 let mut args = [arg(&mut out32), arg(&mut m32), arg(&mut y)];
                 launch(&self.fns.convert, stream, elementwise(m * h), ELEMWISE_THREADS, 0, false, &mut args)?;
