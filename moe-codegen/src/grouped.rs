@@ -374,6 +374,28 @@ mod tests {
     }
 
     #[test]
+    fn warp_specialised_pipeline_is_sm90a_wgmma_only() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let ws = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert!(ws.warp_specialized && ws.gemm_threads() == 384);
+        let k = render_grouped(&s, Arch::Sm90a, ws).unwrap();
+        assert!(k.source.contains("#define MOE_WS 1") && k.source.contains("cp.async.bulk.tensor.2d"));
+        assert!(k.name.ends_with("_ws"));
+        let plain = ws.parse("256,256,4,1,0").unwrap();
+        assert!(!plain.warp_specialized && plain.gemm_threads() == 256);
+        let k = render_grouped(&s, Arch::Sm90a, plain).unwrap();
+        assert!(k.source.contains("#define MOE_WS 0") && !k.source.contains("cp.async.bulk.tensor"));
+        assert_eq!(ws.parse("256,256,4,1"), Some(ws));
+        assert_eq!(ws.parse("256,256,4,1,2"), None);
+        let on_120 = GemmTiles { warp_specialized: true, ..GemmTiles::for_spec(&s, Arch::Sm120a) };
+        assert!(render_grouped(&s, Arch::Sm120a, on_120).is_err());
+        let two_blocks = GemmTiles { blocks_per_sm: 2, ..ws };
+        assert!(render_grouped(&s, Arch::Sm90a, two_blocks).is_err());
+        // The barriers and item slots sit past the stages.
+        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 20 * 4 + 8);
+    }
+
+    #[test]
     fn router_is_baked_in() {
         let s = spec(2048, 768, 256, 8, WeightFormat::Bf16)
             .with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5)))

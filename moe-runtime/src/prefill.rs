@@ -186,7 +186,11 @@ impl GroupedPath {
             midq: stream.alloc_zeros(q(rows * i))?,
             mids: stream.alloc_zeros(q(rows * i / 128))?,
             // Either combine may run on scratch reserved for the gather-reduce one.
-            out32: stream.alloc_zeros(if deterministic { (rows * h * 2).max(tokens * h * 4) } else { tokens * h * 4 })?,
+            out32: stream.alloc_zeros(if deterministic {
+                (rows * h * 2).max(tokens * h * 4)
+            } else {
+                tokens * h * 4
+            })?,
             ids: stream.alloc_zeros(pairs)?,
             weights: stream.alloc_zeros(pairs)?,
         });

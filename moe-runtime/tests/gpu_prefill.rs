@@ -281,3 +281,33 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
         assert!(rel <= 5e-3 && cos >= 0.99999, "replay {replay}: rel {rel:.3e}");
     }
 }
+
+/// The pipelines the device does not take by default: on an H100 the block-barrier wgmma kernels
+/// and the ldmatrix + mma.sync ones (what sm_100a and sm_120a run), bf16 and fp8, both combines.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_gemm_pipeline_matches_reference() {
+    use moe_codegen::{GemmTiles, Mma};
+    let dev = gpu();
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3B128] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        let defaults = layer.grouped_tiles().unwrap();
+        let others = [
+            GemmTiles { warp_specialized: false, stages: 4, ..defaults },
+            GemmTiles { mma: Mma::MmaSync, warp_specialized: false, bn1: 128, bn2: 128, stages: 4, ..defaults },
+        ];
+        for tiles in others.into_iter().filter(|t| *t != defaults) {
+            layer.set_grouped_tiles(&dev, tiles).unwrap();
+            for (m, deterministic) in [(17, true), (1000, false), (1000, true)] {
+                layer.set_deterministic(deterministic);
+                let (rel, cos) = layer_case(&mut layer, &w, m, 0.5, seed.wrapping_add(m as u64));
+                println!("{format} {tiles:?} m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
+                let tol = if format == WeightFormat::Bf16 { 5e-3 } else { 1e-2 };
+                assert!(rel <= tol && cos >= 0.9999, "{format} {tiles:?} m={m}: rel {rel:.3e} cos {cos:.8}");
+            }
+        }
+    }
+}
