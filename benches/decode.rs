@@ -260,17 +260,25 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
         let d = DecodeTiles::for_spec(&spec);
         let configs = [
             (d, false),
-            (d, true),
-            (DecodeTiles { dn_chunk: 4, ..d }, false),
-            (DecodeTiles { stage_x: !d.stage_x, ..d }, false),
-            (DecodeTiles { stage_x: !d.stage_x, dn_chunk: 4, ..d }, false),
-            (DecodeTiles { warps: 4, ..d }, false),
+            (DecodeTiles { gu_prefetch: 2, ..d }, false),
+            (DecodeTiles { gu_prefetch: 4, ..d }, false),
+            (DecodeTiles { w2_prefetch_mib: 32, ..d }, false),
+            (DecodeTiles { gu_prefetch: 2, w2_prefetch_mib: 32, ..d }, false),
+            (DecodeTiles { gu_prefetch: 4, w2_prefetch_mib: 32, ..d }, false),
         ];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
-            let mut line = format!("{:<9} {kind} w{} gu{} dn{} {xs}:", format.name(), t.warps, t.gu_chunk, t.dn_chunk);
+            let mut line = format!(
+                "{:<9} {kind} w{} gu{} dn{} {xs} pf{} w2pf{}:",
+                format.name(),
+                t.warps,
+                t.gu_chunk,
+                t.dn_chunk,
+                t.gu_prefetch,
+                t.w2_prefetch_mib
+            );
             for m in [1, 2, 8] {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;

@@ -15,6 +15,8 @@ constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
+constexpr int GU_PREFETCH = {{ gu_prefetch }};  // items ahead a gate_up warp prefetches into L2
+constexpr long W2_PREFETCH_MAX = {{ w2_prefetch_bytes }}L;  // the step's w2 bytes gate_up may prefetch
 
 static_assert((long)EXPERTS * INTER < 2147483647L, "gate_up's work indices are 32-bit");
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
@@ -139,6 +141,22 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
     return t;
 }
 
+// The step's down-projection weights, pulled into L2 while gate_up streams its own, so that down
+// reads them from L2 and the DRAM does not idle across the kernel boundary. Warp w of the grid
+// takes the w-th piece of every routed expert's w2 (contiguous [HIDDEN, INTER] per expert).
+__device__ __forceinline__ void prefetch_w2(const Routing& r, const uint4* __restrict__ w2) {
+    constexpr long EXPERT_BYTES = (long)HIDDEN * NV_I * 16;
+    if (W2_PREFETCH_MAX == 0 || (long)r.num_unique * EXPERT_BYTES > W2_PREFETCH_MAX) return;
+    const long warps = (long)gridDim.x * WARPS;
+    const long piece = ((EXPERT_BYTES + warps - 1) / warps + 15) & ~15L;
+    const long off = (long)(blockIdx.x * WARPS + (threadIdx.x >> 5)) * piece;
+    if (off >= EXPERT_BYTES) return;
+    const unsigned bytes = (unsigned)min(piece, EXPERT_BYTES - off);
+    for (int u = threadIdx.x & 31; u < r.num_unique; u += 32) {
+        prefetch_l2(reinterpret_cast<const char*>(w2 + (long)r.uexp[u] * HIDDEN * NV_I) + off, bytes);
+    }
+}
+
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
 // A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
 // the row) and always has the next unit's weight loads in flight while it does the current math.
@@ -147,13 +165,17 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 template <int MT, bool FUSED>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const float4* xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                              float* __restrict__ mid, int* __restrict__ done) {
+                                              const uint4* __restrict__ w2, float* __restrict__ mid,
+                                              int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
     // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
     const int items = r.num_unique * INTER;
     const int stride = gridDim.x * WARPS;
     int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (item >= items) return;
+    if (item >= items) {
+        prefetch_w2(r, w2);
+        return;
+    }
 
     // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
     int base = 0, c0 = 0;
@@ -195,7 +217,17 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             au[j] = 0.0f;
         }
     };
+    // Lanes 0 and 1 ask L2 for the gate and the up row of the item GU_PREFETCH items ahead.
+    auto prefetch_rows = [&](int it, int ahead) {
+        if (GU_PREFETCH > 0 && it < items) {
+            long grow;
+            rows(it, grow);
+            prefetch_l2(w13 + (grow + (long)(ahead & 1) * INTER) * NV_H, NV_H * 16);
+        }
+    };
     load(item, 0, gv, uv, gsc, usc);
+    if (lane < 2 * GU_PREFETCH) prefetch_rows(item + (lane / 2 + 1) * stride, lane);
+    prefetch_w2(r, w2);
     setup(item, 0);
     while (true) {
         int nitem = item;
@@ -206,6 +238,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             if (nbase >= r.ucnt[item / INTER]) {
                 nbase = 0;
                 nitem = item + stride;
+                if (lane < 2) prefetch_rows(nitem + GU_PREFETCH * stride, lane);
             }
         }
         const bool more = nitem < items;
@@ -414,7 +447,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
 {%- for mt in token_tiles %}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
+    const void* __restrict__ w13_scales, const uint4* __restrict__ w2, float* __restrict__ mid, int m,
+    int* __restrict__ err) {
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
@@ -422,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
     if (xs) stage_x(x, m, xs);
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
-    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
+    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, w2, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
@@ -440,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
-    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done);
+    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, w2, mid, done);
     // Publish this block's finished passes: one fence for the whole phase.
     __threadfence();
     __syncthreads();

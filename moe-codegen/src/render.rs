@@ -104,6 +104,12 @@ pub struct DecodeTiles {
     /// Whether gate_up stages the step's activations in shared memory as fp32 (when they fit
     /// in [`X_STAGE_MAX_BYTES`]); the host sizes shared memory for it either way.
     pub stage_x: bool,
+    /// Items ahead whose w13 rows each gate_up warp asks L2 for (bulk prefetches), beyond the
+    /// one unit its registers hold in flight; 0: none.
+    pub gu_prefetch: u32,
+    /// gate_up also prefetches the step's w2 into L2, so that down reads it from there, when the
+    /// routed experts' w2 come to at most this many MiB; 0: never.
+    pub w2_prefetch_mib: u32,
 }
 
 /// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
@@ -121,7 +127,7 @@ impl DecodeTiles {
         let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
         let cap = if vec >= 32 { 8 } else { 4 };
         let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true }
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true, gu_prefetch: 0, w2_prefetch_mib: 0 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -159,6 +165,8 @@ struct WarpDecodeCu {
     gu_chunk: u32,
     dn_chunk: u32,
     xs_max_bytes: u32,
+    gu_prefetch: u32,
+    w2_prefetch_bytes: u64,
     token_tiles: [u32; 4],
 }
 
@@ -203,6 +211,8 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         gu_chunk: tiles.gu_chunk,
         dn_chunk: tiles.dn_chunk,
         xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
+        gu_prefetch: tiles.gu_prefetch,
+        w2_prefetch_bytes: u64::from(tiles.w2_prefetch_mib) << 20,
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;

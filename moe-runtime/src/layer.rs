@@ -523,6 +523,7 @@ impl MoeLayer {
                 as_arg(&mut idp),
                 as_arg(&mut w13),
                 as_arg(&mut w13s),
+                as_arg(&mut w2),
                 as_arg(&mut midp),
                 &mut m_i32 as *mut i32 as *mut c_void,
                 as_arg(&mut errp),
