@@ -260,24 +260,21 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
         let d = DecodeTiles::for_spec(&spec);
         let configs = [
             (d, false),
-            (DecodeTiles { gu_prefetch: 2, ..d }, false),
-            (DecodeTiles { gu_prefetch: 4, ..d }, false),
-            (DecodeTiles { w2_prefetch_mib: 32, ..d }, false),
-            (DecodeTiles { gu_prefetch: 2, w2_prefetch_mib: 32, ..d }, false),
-            (DecodeTiles { gu_prefetch: 4, w2_prefetch_mib: 32, ..d }, false),
+            (DecodeTiles { dn_stash: 0, ..d }, false),
+            (DecodeTiles { dn_stash: 8, ..d }, false),
+            (d, true),
         ];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
             let mut line = format!(
-                "{:<9} {kind} w{} gu{} dn{} {xs} pf{} w2pf{}:",
+                "{:<9} {kind} w{} gu{} dn{} {xs} st{}:",
                 format.name(),
                 t.warps,
                 t.gu_chunk,
                 t.dn_chunk,
-                t.gu_prefetch,
-                t.w2_prefetch_mib
+                t.dn_stash
             );
             for m in [1, 2, 8] {
                 let case = build_case(&layers, &spec, m);

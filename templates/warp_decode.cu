@@ -15,8 +15,6 @@ constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
-constexpr int GU_PREFETCH = {{ gu_prefetch }};  // items ahead a gate_up warp prefetches into L2
-constexpr long W2_PREFETCH_MAX = {{ w2_prefetch_bytes }}L;  // the step's w2 bytes gate_up may prefetch
 
 static_assert((long)EXPERTS * INTER < 2147483647L, "gate_up's work indices are 32-bit");
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
@@ -141,22 +139,6 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
     return t;
 }
 
-// The step's down-projection weights, pulled into L2 while gate_up streams its own, so that down
-// reads them from L2 and the DRAM does not idle across the kernel boundary. Warp w of the grid
-// takes the w-th piece of every routed expert's w2 (contiguous [HIDDEN, INTER] per expert).
-__device__ __forceinline__ void prefetch_w2(const Routing& r, const uint4* __restrict__ w2) {
-    constexpr long EXPERT_BYTES = (long)HIDDEN * NV_I * 16;
-    if (W2_PREFETCH_MAX == 0 || (long)r.num_unique * EXPERT_BYTES > W2_PREFETCH_MAX) return;
-    const long warps = (long)gridDim.x * WARPS;
-    const long piece = ((EXPERT_BYTES + warps - 1) / warps + 15) & ~15L;
-    const long off = (long)(blockIdx.x * WARPS + (threadIdx.x >> 5)) * piece;
-    if (off >= EXPERT_BYTES) return;
-    const unsigned bytes = (unsigned)min(piece, EXPERT_BYTES - off);
-    for (int u = threadIdx.x & 31; u < r.num_unique; u += 32) {
-        prefetch_l2(reinterpret_cast<const char*>(w2 + (long)r.uexp[u] * HIDDEN * NV_I) + off, bytes);
-    }
-}
-
 // mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
 // A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
 // the row) and always has the next unit's weight loads in flight while it does the current math.
@@ -165,17 +147,13 @@ __device__ __forceinline__ void prefetch_w2(const Routing& r, const uint4* __res
 template <int MT, bool FUSED>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const float4* xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                              const uint4* __restrict__ w2, float* __restrict__ mid,
-                                              int* __restrict__ done) {
+                                              float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
     // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
     const int items = r.num_unique * INTER;
     const int stride = gridDim.x * WARPS;
     int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (item >= items) {
-        prefetch_w2(r, w2);
-        return;
-    }
+    if (item >= items) return;
 
     // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
     int base = 0, c0 = 0;
@@ -217,17 +195,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             au[j] = 0.0f;
         }
     };
-    // Lanes 0 and 1 ask L2 for the gate and the up row of the item GU_PREFETCH items ahead.
-    auto prefetch_rows = [&](int it, int ahead) {
-        if (GU_PREFETCH > 0 && it < items) {
-            long grow;
-            rows(it, grow);
-            prefetch_l2(w13 + (grow + (long)(ahead & 1) * INTER) * NV_H, NV_H * 16);
-        }
-    };
     load(item, 0, gv, uv, gsc, usc);
-    if (lane < 2 * GU_PREFETCH) prefetch_rows(item + (lane / 2 + 1) * stride, lane);
-    prefetch_w2(r, w2);
     setup(item, 0);
     while (true) {
         int nitem = item;
@@ -238,7 +206,6 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             if (nbase >= r.ucnt[item / INTER]) {
                 nbase = 0;
                 nitem = item + stride;
-                if (lane < 2) prefetch_rows(nitem + GU_PREFETCH * stride, lane);
             }
         }
         const bool more = nitem < items;
@@ -305,7 +272,11 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 // the token's experts, and read mid through L2 (other SMs wrote it).
 constexpr int DN_FLAT = TOP_K * NV_I;        // vectors per item
 constexpr int DN_VPL = (DN_FLAT + 31) / 32;  // ... per lane
-template <int MT, bool FUSED>
+// Vectors per lane of a warp's first item that go to shared memory (cp.async) before the wait, on
+// top of the DN_CHUNK in registers: the wait on gate_up then finds them landed. Only
+// moe_down_stash (M = 1) has the stash; at M >= 2 it measured slower.
+constexpr int DN_STASH_VECS = DN_VPL - DN_CHUNK < {{ dn_stash }} ? DN_VPL - DN_CHUNK : {{ dn_stash }};
+template <int MT, bool FUSED, int DN_STASH = 0>
 __device__ __forceinline__ void down_phase(const int* sid, const float* swt, const Routing* r,
                                            const float* __restrict__ mid, const uint4* __restrict__ w2,
                                            const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
@@ -362,15 +333,58 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
     WScale wsc[DN_CHUNK];
     float rsc[DN_CHUNK];
     // The weights and the step's routing do not depend on gate_up: the first unit's loads go out
-    // before waiting for it, so they overlap its tail.
+    // before waiting for it, and so does the stash (the next DN_STASH vectors per lane of the
+    // first item, with their scales), so that they overlap gate_up's tail.
     load(item, 0, wv, wsc, rsc);
+    const int first = item;
+    __shared__ uint4 stash[DN_STASH > 0 ? WARPS : 1][DN_STASH > 0 ? DN_STASH : 1][32];
+    WScale ssc[DN_STASH > 0 ? DN_STASH : 1];
+    float srs[DN_STASH > 0 ? DN_STASH : 1];
+    uint4(&mine)[DN_STASH > 0 ? DN_STASH : 1][32] = stash[DN_STASH > 0 ? threadIdx.x >> 5 : 0];
+    if constexpr (DN_STASH > 0) {
+        const int h = item / m;
+        const int t = item - h * m;
+#pragma unroll
+        for (int i = 0; i < DN_STASH; ++i) {
+            const int f = (DN_CHUNK + i) * 32 + lane;
+            const int s = f / NV_I;
+            const int v = f - s * NV_I;
+            const int e = f < DN_FLAT ? sid[t * TOP_K + s] : -1;
+            const long rw = (long)(e < 0 ? 0 : e) * HIDDEN + h;
+            cp_async16(smem_u32(&mine[i][lane]), w2 + rw * NV_I + v, e >= 0);
+            if (e >= 0) {
+                ssc[i] = load_wscale<W2>(w2_scales, rw, v);
+                srs[i] = row_scale<W2>(w2_scales, rw);
+            }
+        }
+        cp_async_commit();
+    }
     if (!FUSED) pdl_wait();  // mid is gate_up's output
     wait_ready(item);
     int c0 = 0;
     float acc = 0.0f;
+    if constexpr (DN_STASH > 0) {
+        const int h = item / m;
+        const int t = item - h * m;
+        cp_async_wait<0>();  // each lane reads only what it copied itself
+#pragma unroll
+        for (int i = 0; i < DN_STASH; ++i) {
+            const int f = (DN_CHUNK + i) * 32 + lane;
+            const int s = f / NV_I;
+            const int v = f - s * NV_I;
+            const int p = t * TOP_K + s;
+            if (f < DN_FLAT && sid[p] >= 0) {
+                float w[W_VEC], a[W_VEC];
+                dequant_vec(mine[i][lane], ssc[i], w);
+                load_mid<FUSED>(mid, p, v, a);
+                acc = fmaf(swt[p] * srs[i], dot(w, a, ssc[i]), acc);
+            }
+        }
+    }
     while (true) {
         int nitem = item;
         int nc0 = c0 + DN_CHUNK;
+        if (DN_STASH > 0 && item == first && c0 == 0) nc0 += DN_STASH;  // already done from the stash
         if (nc0 >= DN_VPL) {
             nc0 = 0;
             nitem = item + stride;
@@ -444,11 +458,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
     down_phase<1, false>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
+// As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
+// memory before the wait: at M = 1, where each warp holds one item, more of it is in flight during
+// gate_up's tail (H100, Qwen3 fp8: 24.7 -> 21.0 us per layer with 4; 8 measured slower).
+extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
+    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+    extern __shared__ int smem[];
+    dequant_setup();
+    int* sid = smem;
+    float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
+    stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
+    down_phase<1, false, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+}
 {%- for mt in token_tiles %}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const void* __restrict__ w13_scales, const uint4* __restrict__ w2, float* __restrict__ mid, int m,
-    int* __restrict__ err) {
+    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
@@ -456,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
     if (xs) stage_x(x, m, xs);
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
-    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, w2, mid, nullptr);
+    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
@@ -474,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
-    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, w2, mid, done);
+    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done);
     // Publish this block's finished passes: one fence for the whole phase.
     __threadfence();
     __syncthreads();

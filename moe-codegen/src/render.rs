@@ -104,12 +104,10 @@ pub struct DecodeTiles {
     /// Whether gate_up stages the step's activations in shared memory as fp32 (when they fit
     /// in [`X_STAGE_MAX_BYTES`]); the host sizes shared memory for it either way.
     pub stage_x: bool,
-    /// Items ahead whose w13 rows each gate_up warp asks L2 for (bulk prefetches), beyond the
-    /// one unit its registers hold in flight; 0: none.
-    pub gu_prefetch: u32,
-    /// gate_up also prefetches the step's w2 into L2, so that down reads it from there, when the
-    /// routed experts' w2 come to at most this many MiB; 0: never.
-    pub w2_prefetch_mib: u32,
+    /// 16-byte vectors per lane of each down warp's first item that `moe_down_stash` (the M = 1
+    /// down) copies to shared memory before it waits on gate_up, beyond the `dn_chunk` in
+    /// registers (static shared memory: `warps * dn_stash * 512` bytes, under 40 KiB); 0: none.
+    pub dn_stash: u32,
 }
 
 /// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
@@ -127,7 +125,7 @@ impl DecodeTiles {
         let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
         let cap = if vec >= 32 { 8 } else { 4 };
         let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true, gu_prefetch: 0, w2_prefetch_mib: 0 }
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true, dn_stash: 4 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -165,8 +163,7 @@ struct WarpDecodeCu {
     gu_chunk: u32,
     dn_chunk: u32,
     xs_max_bytes: u32,
-    gu_prefetch: u32,
-    w2_prefetch_bytes: u64,
+    dn_stash: u32,
     token_tiles: [u32; 4],
 }
 
@@ -197,6 +194,17 @@ fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) ->
 /// Render the warp-decode family with explicit tiles.
 pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
     let variant = resolve_dequant(spec, arch)?;
+    // The stash is static shared memory, next to the LUT tables: keep the block under 48 KiB.
+    if tiles.warps * tiles.dn_stash * 512 + static_smem_bytes(spec, arch) > DN_STASH_MAX_BYTES {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!(
+                "a down stash of {} vectors per lane with {} warps (over 40 KiB)",
+                tiles.dn_stash, tiles.warps
+            ),
+        });
+    }
     let name = module_name(KernelFamily::WarpDecode, spec, variant);
     let t = WarpDecodeCu {
         spec_id: name.clone(),
@@ -211,8 +219,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         gu_chunk: tiles.gu_chunk,
         dn_chunk: tiles.dn_chunk,
         xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
-        gu_prefetch: tiles.gu_prefetch,
-        w2_prefetch_bytes: u64::from(tiles.w2_prefetch_mib) << 20,
+        dn_stash: tiles.dn_stash,
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
@@ -282,12 +289,17 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
 /// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
-        KernelFamily::WarpDecode => std::iter::once("moe_down".to_string())
+        KernelFamily::WarpDecode => ["moe_down", "moe_down_stash"]
+            .map(String::from)
+            .into_iter()
             .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
             .collect(),
         KernelFamily::GroupedGemm => grouped::entry_points(),
     }
 }
+
+/// Static shared memory warp decode's down stash may take with the LUT tables (of 48 KiB).
+pub const DN_STASH_MAX_BYTES: u32 = 40 * 1024;
 
 /// Largest activation block (fp32) warp decode stages in shared memory; larger steps read the
 /// activations from global memory.
@@ -301,6 +313,12 @@ pub fn decode_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let per_token = (spec.hidden() / vec).div_ceil(32) as u64 * vec as u64 * 32 * 4;
     let xs = m as u64 * per_token;
     routing + if xs <= X_STAGE_MAX_BYTES as u64 { xs as u32 } else { 0 }
+}
+
+/// Dynamic shared memory of warp decode's down kernel for a step of `m` tokens: the step's ids and
+/// routing weights (mirrors `moe_down` in `warp_decode.cu`).
+pub fn decode_down_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
+    (m * spec.top_k() * 8).next_multiple_of(16)
 }
 
 /// fp32 elements of warp decode's intermediate for a step of `m` tokens: one row per (token,
@@ -535,6 +553,21 @@ mod tests {
         assert_eq!(static_smem_bytes(&s(WeightFormat::Nvfp4, DequantVariant::Lut), Arch::Sm90a), 64);
         assert_eq!(static_smem_bytes(&s(WeightFormat::Int8G32, DequantVariant::Lut), Arch::Sm90a), 1024);
         assert_eq!(static_smem_bytes(&s(WeightFormat::Int8G32, DequantVariant::Bits), Arch::Sm90a), 0);
+    }
+
+    #[test]
+    fn down_stash_is_bounded_and_has_its_own_entry() {
+        let s = qwen(WeightFormat::Fp8E4m3);
+        let t = DecodeTiles::for_spec(&s);
+        assert_eq!(t.dn_stash, 4);
+        let k = render_warp_decode(&s, Arch::Sm90a, t).unwrap();
+        assert!(k.entry_points.iter().any(|e| e == "moe_down_stash"));
+        assert!(k.source.contains("moe_down_stash(") && k.source.contains("DN_CHUNK : 4;"));
+        // 8 warps x 12 vectors x 512 B = 48 KiB: over the static budget, a typed refusal.
+        let e = render_warp_decode(&s, Arch::Sm90a, DecodeTiles { dn_stash: 12, ..t }).unwrap_err();
+        assert!(matches!(e, CodegenError::Unsupported { .. }) && e.to_string().contains("stash"), "{e}");
+        assert_eq!(decode_down_smem_bytes(&s, 1), 64);
+        assert_eq!(decode_down_smem_bytes(&s, 3), 192);
     }
 
     #[test]

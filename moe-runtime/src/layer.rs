@@ -6,7 +6,7 @@ use crate::prefill::{GroupedPath, StepPtrs};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use moe_codegen::{
-    decode_mid_floats, decode_smem_bytes, render, routing_smem_bytes, static_smem_bytes, ActDtype, DecodeTiles,
+    decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, render, routing_smem_bytes, ActDtype, DecodeTiles,
     KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
 };
 use std::ffi::c_void;
@@ -65,6 +65,8 @@ pub struct MoeLayer {
     w2_scales: CudaSlice<u8>,
     tiles: Vec<TileFns>,
     down: DownFn,
+    /// down with its first items stashed in shared memory, for steps of one token.
+    down_stash: DownFn,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
     /// Count of out-of-range expert ids the kernels met.
@@ -160,13 +162,21 @@ impl MoeLayer {
         }
         let down_f = module.load_function("moe_down")?;
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
+        let stash_f = module.load_function("moe_down_stash")?;
+        let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
+        // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
+        let mut static_smem = 0;
+        for f in tiles.iter().flat_map(|t| [&t.gate_up, &t.fused]).chain([&down.f, &down_stash.f]) {
+            static_smem =
+                static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
+        }
         // Formats without scales still get a small buffer so every pointer is valid.
         let nonempty = |v: &[u8]| if v.is_empty() { vec![0u8; 16] } else { v.to_vec() };
         let layer = MoeLayer {
             spec,
             sms: device.sm_count(),
             max_smem: device.max_smem_optin(),
-            static_smem: static_smem_bytes(&spec, device.arch()),
+            static_smem: static_smem as u32,
             warps,
             w13: stream.clone_htod(&weights.w13)?,
             w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
@@ -174,6 +184,7 @@ impl MoeLayer {
             w2_scales: stream.clone_htod(&nonempty(&weights.w2_scales))?,
             tiles,
             down,
+            down_stash,
             mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(&spec, 1))?),
             errors: stream.alloc_zeros::<i32>(1)?,
             ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
@@ -472,7 +483,7 @@ impl MoeLayer {
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
-        for f in [&fns.gate_up, &self.down.f, &fns.fused] {
+        for f in [&fns.gate_up, &self.down.f, &self.down_stash.f, &fns.fused] {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -523,7 +534,6 @@ impl MoeLayer {
                 as_arg(&mut idp),
                 as_arg(&mut w13),
                 as_arg(&mut w13s),
-                as_arg(&mut w2),
                 as_arg(&mut midp),
                 &mut m_i32 as *mut i32 as *mut c_void,
                 as_arg(&mut errp),
@@ -543,7 +553,12 @@ impl MoeLayer {
                 as_arg(&mut yp),
                 &mut m_i32 as *mut i32 as *mut c_void,
             ];
-            launch(&self.down.f, s, grid(dn_items, self.down.blocks_per_sm), block, smem, true, &mut dn)?;
+            // down needs only the step's ids and weights in dynamic shared memory: the less it
+            // asks for, the sooner its blocks fit beside gate_up's last ones.
+            let dn_smem = decode_down_smem_bytes(&self.spec, m as u32);
+            // At M = 1 every down warp holds one item: stash it whole before the wait.
+            let down = if m == 1 { &self.down_stash } else { &self.down };
+            launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
         }
         Ok(())
     }
