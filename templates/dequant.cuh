@@ -33,3 +33,13 @@ __device__ __forceinline__ void dequant_setup() {}
 {%- else if fmt.codec == "e2m1" %}
 {% include "dequant_e2m1.cuh" %}
 {%- endif %}
+
+#ifdef MOE_W_H2
+constexpr bool W_H2 = true;
+#else
+// No packed-half decode for this format and variant: gate_up's dot products stay in fp32.
+constexpr bool W_H2 = false;
+constexpr float W_ABS_MAX = 1.0f;
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 2 * p + hi; }
+__device__ __forceinline__ void dequant_h2(const uint4, const WScale&, __half2 (&)[W_VEC / 2]) {}
+#endif

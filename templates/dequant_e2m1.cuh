@@ -50,3 +50,42 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float 
 {%- endif %}
     }
 }
+{%- if fmt.variant != "lut" %}
+// The packed-half seam (gate_up's dot products in fp16 pairs): the same decode, left as pairs.
+#define MOE_W_H2 1
+constexpr float W_ABS_MAX = 6.0f;
+{%- if fmt.variant == "bits" %}
+// Pair 4i + j holds elements 8i + j (low half) and 8i + j + 4 (high half).
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 8 * (p >> 2) + (p & 3) + 4 * hi; }
+{%- else %}
+// Pair p holds elements 2p (low half) and 2p + 1 (high half).
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 2 * p + hi; }
+{%- endif %}
+__device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2 (&h)[W_VEC / 2]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned x = words[i];
+{%- if fmt.variant == "bits" %}
+        const __half2 bias = u32_as_h2(0x74007400u);  // 2^14
+        h[4 * i + 0] = __hmul2(u32_as_h2(((x << 12) & 0x80008000u) | ((x << 9) & 0x0e000e00u)), bias);
+        h[4 * i + 1] = __hmul2(u32_as_h2(((x << 8) & 0x80008000u) | ((x << 5) & 0x0e000e00u)), bias);
+        h[4 * i + 2] = __hmul2(u32_as_h2(((x << 4) & 0x80008000u) | ((x << 1) & 0x0e000e00u)), bias);
+        h[4 * i + 3] = __hmul2(u32_as_h2((x & 0x80008000u) | ((x >> 3) & 0x0e000e00u)), bias);
+{%- else %}
+        unsigned r[4];
+        asm("{ .reg .b8 b0, b1, b2, b3;\n"
+            "  mov.b32 { b0, b1, b2, b3 }, %4;\n"
+            "  cvt.rn.f16x2.e2m1x2 %0, b0;\n"
+            "  cvt.rn.f16x2.e2m1x2 %1, b1;\n"
+            "  cvt.rn.f16x2.e2m1x2 %2, b2;\n"
+            "  cvt.rn.f16x2.e2m1x2 %3, b3;\n"
+            "}"
+            : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+            : "r"(x));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[4 * i + j] = u32_as_h2(r[j]);
+{%- endif %}
+    }
+}
+{%- endif %}

@@ -32,3 +32,33 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float 
 {%- endif %}
     }
 }
+{%- if fmt.variant != "lut" %}
+// The packed-half seam (gate_up's dot products in fp16 pairs): the same decode, left as pairs.
+#define MOE_W_H2 1
+constexpr float W_ABS_MAX = 448.0f;
+{%- if fmt.variant == "hardware" %}
+// Pair p holds elements 2p (low half) and 2p + 1 (high half).
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 2 * p + hi; }
+{%- else %}
+// Pair 2i holds elements 4i and 4i + 2, pair 2i + 1 elements 4i + 1 and 4i + 3.
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 4 * (p >> 1) + (p & 1) + 2 * hi; }
+{%- endif %}
+__device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2 (&h)[W_VEC / 2]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned x = words[i];
+{%- if fmt.variant == "hardware" %}
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((x >> (16 * j)) & 0xffffu), __NV_E4M3);
+            h[2 * i + j] = *reinterpret_cast<__half2*>(&r);
+        }
+{%- else %}
+        const __half2 bias = u32_as_h2(0x5c005c00u);  // 256
+        h[2 * i] = __hmul2(u32_as_h2(((x << 8) & 0x80008000u) | ((x << 7) & 0x3f803f80u)), bias);
+        h[2 * i + 1] = __hmul2(u32_as_h2((x & 0x80008000u) | ((x >> 1) & 0x3f803f80u)), bias);
+{%- endif %}
+    }
+}
+{%- endif %}

@@ -25,3 +25,20 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float 
 {%- endif %}
     }
 }
+{%- if fmt.variant == "bits" %}
+// The packed-half seam (gate_up's dot products in fp16 pairs): the same magic-number decode, left
+// as pairs. Pair 2i holds elements 4i and 4i + 2, pair 2i + 1 elements 4i + 1 and 4i + 3.
+#define MOE_W_H2 1
+constexpr float W_ABS_MAX = 128.0f;
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 4 * (p >> 1) + (p & 1) + 2 * hi; }
+__device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2 (&h)[W_VEC / 2]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+    const __half2 magic = u32_as_h2(0x64806480u);  // 1152
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned u = words[i] ^ 0x80808080u;
+        h[2 * i] = __hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4240u)), magic);
+        h[2 * i + 1] = __hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4341u)), magic);
+    }
+}
+{%- endif %}

@@ -57,3 +57,31 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, flo
     }
 {%- endif %}
 }
+{%- if fmt.variant == "bits" %}
+// The packed-half seam (gate_up's dot products in fp16 pairs): the same magic-number decode, left
+// as fp16 pairs. Pair 4i + j holds elements 8i + j (low half) and 8i + j + 4 (high half).
+#define MOE_W_H2 1
+constexpr float W_ABS_MAX = {% if fmt.asym %}15.0f{% else %}8.0f{% endif %};  // |n - z|
+__device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 8 * (p >> 2) + (p & 3) + 4 * hi; }
+__device__ __forceinline__ void dequant_h2(const uint4 v, const WScale& ws, __half2 (&h)[W_VEC / 2]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+{%- if fmt.asym %}
+    const int z = zero_point(ws);
+{%- else %}
+    (void)ws;
+    constexpr int z = 8;
+{%- endif %}
+    const __half2 lo_sub = u32_as_h2((0x6400u | (unsigned)z) * 0x00010001u);
+    const __half2 hi_add = u32_as_h2((0xd400u + ((unsigned)z << 4)) * 0x00010001u);
+    const __half2 sixteenth = u32_as_h2(0x2c002c00u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned x = words[i];
+        const unsigned t = x >> 8;
+        h[4 * i + 0] = __hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(x)), lo_sub);
+        h[4 * i + 1] = __hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(x)), sixteenth, hi_add);
+        h[4 * i + 2] = __hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(t)), lo_sub);
+        h[4 * i + 3] = __hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(t)), sixteenth, hi_add);
+    }
+}
+{%- endif %}

@@ -33,26 +33,138 @@ constexpr int XS_TOKEN_FLOATS = VPL_H * W_VEC * 32;
 constexpr int XS_MAX_BYTES = {{ xs_max_bytes }};
 __host__ __device__ constexpr bool x_staged(int m) { return (long)m * XS_TOKEN_FLOATS * 4 <= XS_MAX_BYTES; }
 
-// The staged activations follow the routing tables, 16-byte aligned (mirrored on the host by
-// decode_smem_bytes).
+// The staged activations follow the routing tables, 16-byte aligned: one 16-byte-aligned slot of
+// m ints (the per-token scale exponents of the packed-half path), then the tokens (mirrored on the
+// host by decode_smem_bytes).
 __device__ __forceinline__ float4* x_stage_smem(int* smem, int m) {
     return reinterpret_cast<float4*>(smem + ((routing_smem_ints(m * TOP_K, EXPERTS) + 3) & ~3));
 }
 
-__device__ __forceinline__ void stage_x(const act_t* __restrict__ x, int m, float4* xs) {
-    constexpr int Q = HIDDEN / 4;  // four activations per step
-    for (int i = threadIdx.x; i < m * Q; i += blockDim.x) {
-        const int t = i / Q;
-        const int e = 4 * (i - t * Q);
-        const int v = e / W_VEC;
-        const int k = (e - v * W_VEC) / 4;
-        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (long)t * HIDDEN + e));
-        uint4 wide = make_uint4(raw.x, raw.y, 0u, 0u);
-        float f[8];
-        widen8(wide, (const act_t*)nullptr, f);
-        xs[((t * VPL_H + (v >> 5)) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
+// The step's activations as gate_up reads them: fp32 (f32, in the layout above), or, for formats
+// with a packed-half decode (W_H2), fp16 pairs in the codec's pair order (h2), token t scaled by
+// 2^-xexp[t] so that no chain of 8 pair-FMAs can leave fp16's range. Both null: read from x.
+// h2 layout: token t, vector v = 32 c + l, quad q (pairs 4q..4q+3) at ((t * VPL_H + c) * W_VEC / 8 + q) * 32 + l.
+struct XStage {
+    const float4* f32;
+    const uint4* h2;
+    const int* xexp;
+};
+
+// Largest |x| the fp16 path admits: 8 pairs of W_ABS_MAX * |x| stay under 2^15.
+__host__ __device__ constexpr int x_h2_log2_limit() {
+    int l = 0;
+    while ((float)(2 << l) * W_ABS_MAX * 8.0f <= 32768.0f) ++l;
+    return l;
+}
+constexpr int X_H2_LOG2_LIMIT = x_h2_log2_limit();  // max |x| * 2^-xexp <= 2^X_H2_LOG2_LIMIT
+// Every codec's pairs come in quads that cover 8 consecutive elements, quad q the elements
+// 8q..8q+7 in the same order: staging reads them from one uint4 of x.
+__host__ __device__ constexpr bool h2_quads_repeat() {
+    for (int p = 0; p < W_VEC / 2; ++p)
+        for (int hi = 0; hi < 2; ++hi)
+            if (h2_elem(p, hi) != 8 * (p / 4) + h2_elem(p % 4, hi)) return false;
+    return true;
+}
+static_assert(h2_quads_repeat(), "pair order must repeat every 8 elements");
+
+__device__ __forceinline__ XStage stage_x(const act_t* __restrict__ x, int m, float4* xs) {
+    if (!xs) return XStage{ nullptr, nullptr, nullptr };
+    constexpr int Q = HIDDEN / 8;  // eight activations (one uint4) per step
+    if constexpr (W_H2) {
+        int* xexp = reinterpret_cast<int*>(xs);
+        xs += (m + 3) / 4;
+        // Per-token max |x| (as float bits, which order like the floats when non-negative).
+        for (int t = threadIdx.x; t < m; t += blockDim.x) xexp[t] = 0;
+        __syncthreads();
+        for (int t = 0; t < m; ++t) {
+            unsigned mx = 0;
+            for (int i = threadIdx.x; i < Q; i += blockDim.x) {
+                float f[8];
+                widen8(__ldg(reinterpret_cast<const uint4*>(x + (long)t * HIDDEN) + i), (const act_t*)nullptr, f);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) mx = max(mx, __float_as_uint(fabsf(f[k])));
+            }
+            mx = __reduce_max_sync(MOE_FULL_MASK, mx);
+            if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned*>(xexp) + t, mx);
+        }
+        __syncthreads();
+        for (int t = threadIdx.x; t < m; t += blockDim.x) {
+            // max < 2^(e - 126): scale by 2^-k with k = e - 126 - limit, when positive.
+            const int e = (int)((unsigned)xexp[t] >> 23) - 126 - X_H2_LOG2_LIMIT;
+            xexp[t] = e > 0 ? e : 0;
+        }
+        __syncthreads();
+        uint4* xh = reinterpret_cast<uint4*>(xs);
+        for (int i = threadIdx.x; i < m * Q; i += blockDim.x) {
+            const int t = i / Q;
+            const int e0 = 8 * (i - t * Q);
+            const int v = e0 / W_VEC;
+            const int q = (e0 - v * W_VEC) / 8;
+            float f[8];
+            widen8(__ldg(reinterpret_cast<const uint4*>(x + (long)t * HIDDEN + e0)), (const act_t*)nullptr, f);
+            const float sc = __uint_as_float((unsigned)(127 - xexp[t]) << 23);
+            unsigned h[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
+            }
+            xh[((t * VPL_H + (v >> 5)) * (W_VEC / 8) + q) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+        return XStage{ nullptr, xh, xexp };
+    } else {
+        for (int i = threadIdx.x; i < m * Q * 2; i += blockDim.x) {
+            const int t = i / (2 * Q);
+            const int e = 4 * (i - t * 2 * Q);
+            const int v = e / W_VEC;
+            const int k = (e - v * W_VEC) / 4;
+            const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (long)t * HIDDEN + e));
+            uint4 wide = make_uint4(raw.x, raw.y, 0u, 0u);
+            float f[8];
+            widen8(wide, (const act_t*)nullptr, f);
+            xs[((t * VPL_H + (v >> 5)) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
+        }
+        return XStage{ xs, nullptr, nullptr };
     }
-    // No barrier here: callers stage before build_routing, whose barriers order these stores.
+    // No barrier after the stores: callers stage before build_routing, whose barriers order them.
+}
+
+// The W_VEC / 2 fp16 pairs of token t's vector v, from the packed-half stage.
+__device__ __forceinline__ void load_xh(const uint4* xh, int t, int v, __half2 (&a)[W_VEC / 2]) {
+    const uint4* p = xh + (t * VPL_H + (v >> 5)) * (W_VEC / 8) * 32 + (v & 31);
+#pragma unroll
+    for (int q = 0; q < W_VEC / 8; ++q) {
+        const uint4 u = p[32 * q];
+        a[4 * q] = u32_as_h2(u.x);
+        a[4 * q + 1] = u32_as_h2(u.y);
+        a[4 * q + 2] = u32_as_h2(u.z);
+        a[4 * q + 3] = u32_as_h2(u.w);
+    }
+}
+
+// dot(w, a) on fp16 pairs: chains of at most 8 pair-FMAs (the bound X_H2_LOG2_LIMIT is set for),
+// each widened to fp32 once, with the group scales applied to their groups' fp32 sums.
+__device__ __forceinline__ float dot_h2(const __half2 (&w)[W_VEC / 2], const __half2 (&a)[W_VEC / 2], const WScale& ws) {
+    constexpr int PG = W_VEC / 2 / W_GROUPS;  // pairs per group
+    constexpr int CH = PG > 8 ? 8 : PG;
+    float t = 0.0f;
+#pragma unroll
+    for (int g = 0; g < W_GROUPS; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int c = g * PG; c < (g + 1) * PG; c += CH) {
+            __half2 acc = __hmul2(w[c], a[c]);
+#pragma unroll
+            for (int i = c + 1; i < c + CH; ++i) acc = __hfma2(w[i], a[i], acc);
+            const float2 f = __half22float2(acc);
+            d += f.x + f.y;
+        }
+        if constexpr (W_GROUP_SCALED) {
+            t = fmaf(group_scale(ws, g), d, t);
+        } else {
+            t += d;
+        }
+    }
+    return t;
 }
 
 // W_VEC activations of token t starting at vector v, as fp32: from the staged copy when there is
@@ -145,7 +257,7 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 // FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
 // counts once, after its whole phase, so no warp fences per item.
 template <int MT, bool FUSED>
-__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const float4* xs,
+__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const XStage& xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
                                               float* __restrict__ mid, int* __restrict__ done) {
     const int lane = threadIdx.x & 31;
@@ -216,16 +328,32 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         for (int i = 0; i < GU_CHUNK; ++i) {
             const int v = (c0 + i) * 32 + lane;
             if (c0 + i < VPL_H && v < NV_H) {
-                float g[W_VEC], w[W_VEC];
-                dequant_vec(gv[i], gsc[i], g);
-                dequant_vec(uv[i], usc[i], w);
+                if (W_H2 && xs.h2) {
+                    // fp16 pairs: a pair-FMA per two weights instead of a widening and two FMAs.
+                    __half2 g[W_VEC / 2], w[W_VEC / 2];
+                    dequant_h2(gv[i], gsc[i], g);
+                    dequant_h2(uv[i], usc[i], w);
 #pragma unroll
-                for (int j = 0; j < MT; ++j) {
-                    if (j < nt) {
-                        float a[W_VEC];
-                        load_x(x, xs, tok[j], v, a);
-                        ag[j] += dot(g, a, gsc[i]);
-                        au[j] += dot(w, a, usc[i]);
+                    for (int j = 0; j < MT; ++j) {
+                        if (j < nt) {
+                            __half2 a[W_VEC / 2];
+                            load_xh(xs.h2, tok[j], v, a);
+                            ag[j] += dot_h2(g, a, gsc[i]);
+                            au[j] += dot_h2(w, a, usc[i]);
+                        }
+                    }
+                } else {
+                    float g[W_VEC], w[W_VEC];
+                    dequant_vec(gv[i], gsc[i], g);
+                    dequant_vec(uv[i], usc[i], w);
+#pragma unroll
+                    for (int j = 0; j < MT; ++j) {
+                        if (j < nt) {
+                            float a[W_VEC];
+                            load_x(x, xs.f32, tok[j], v, a);
+                            ag[j] += dot(g, a, gsc[i]);
+                            au[j] += dot(w, a, usc[i]);
+                        }
                     }
                 }
             }
@@ -239,8 +367,13 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
                 if (j < nt) {
-                    const float g = warp_sum(ag[j]) * gs;
-                    const float v = warp_sum(au[j]) * us;
+                    // Undo the token's fp16 scaling (a power of two: exact).
+                    float xm = 1.0f;
+                    if constexpr (W_H2) {
+                        if (xs.xexp) xm = __uint_as_float((unsigned)(127 + xs.xexp[tok[j]]) << 23);
+                    }
+                    const float g = warp_sum(ag[j]) * (gs * xm);
+                    const float v = warp_sum(au[j]) * (us * xm);
                     if (lane == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
                 }
             }
@@ -479,8 +612,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
-    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
-    if (xs) stage_x(x, m, xs);
+    const XStage xs = stage_x(x, m, x_staged(m) ? x_stage_smem(smem, m) : nullptr);
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
 }
@@ -492,8 +624,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();
-    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
-    if (xs) stage_x(x, m, xs);
+    const XStage xs = stage_x(x, m, x_staged(m) ? x_stage_smem(smem, m) : nullptr);
     const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
     int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 0);
     int* sid = routing_scratch(smem, m * TOP_K, EXPERTS, 2);

@@ -306,13 +306,16 @@ pub const DN_STASH_MAX_BYTES: u32 = 40 * 1024;
 pub const X_STAGE_MAX_BYTES: u32 = 64 * 1024;
 
 /// Dynamic shared memory of a warp-decode step of `m` tokens: the routing tables, then, when they
-/// fit in [`X_STAGE_MAX_BYTES`], the activations staged as fp32 (mirrors `warp_decode.cu`).
+/// fit in [`X_STAGE_MAX_BYTES`] as fp32, the staged activations (fp32, or fp16 pairs in half of
+/// that space for formats with a packed-half decode) after a slot of `m` per-token scale
+/// exponents (mirrors `stage_x` in `warp_decode.cu`).
 pub fn decode_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let routing = routing_smem_bytes(spec, m).next_multiple_of(16);
     let vec = spec.weight_format().elems_per_16b();
     let per_token = (spec.hidden() / vec).div_ceil(32) as u64 * vec as u64 * 32 * 4;
     let xs = m as u64 * per_token;
-    routing + if xs <= X_STAGE_MAX_BYTES as u64 { xs as u32 } else { 0 }
+    // The staged tokens follow a 16-byte slot of m ints (the packed-half path's scale exponents).
+    routing + if xs <= X_STAGE_MAX_BYTES as u64 { (4 * m).next_multiple_of(16) + xs as u32 } else { 0 }
 }
 
 /// Dynamic shared memory of warp decode's down kernel for a step of `m` tokens: the step's ids and
@@ -586,9 +589,10 @@ mod tests {
         assert_eq!(DecodeTiles::token_tile(64), 8);
         // 128 map + 5*8 + 4*8 + 1 ints at M = 1.
         assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 40 + 32 + 1));
-        // Plus 2048 fp32 activations per token while they fit in 64 KiB.
-        assert_eq!(decode_smem_bytes(&s, 1), 816 + 8192);
-        assert_eq!(decode_smem_bytes(&s, 8), routing_smem_bytes(&s, 8).next_multiple_of(16) + 65536);
+        // Plus a 16-byte slot of per-token exponents and 2048 fp32 activations per token while
+        // they fit in 64 KiB.
+        assert_eq!(decode_smem_bytes(&s, 1), 816 + 16 + 8192);
+        assert_eq!(decode_smem_bytes(&s, 8), routing_smem_bytes(&s, 8).next_multiple_of(16) + 32 + 65536);
         assert_eq!(decode_smem_bytes(&s, 9), routing_smem_bytes(&s, 9).next_multiple_of(16));
         let _ = ActDtype::Bf16;
     }
