@@ -258,12 +258,7 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
     for &format in formats {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
-        let configs = [
-            (d, false),
-            (DecodeTiles { dn_stash: 0, ..d }, false),
-            (DecodeTiles { dn_stash: 8, ..d }, false),
-            (d, true),
-        ];
+        let configs = [(d, false), (DecodeTiles { dn_stash: 0, ..d }, false), (d, true)];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };

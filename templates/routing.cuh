@@ -31,8 +31,15 @@ __device__ __forceinline__ unsigned lanemask_lt() {
     return m;
 }
 
+struct NoWork {
+    __device__ void operator()() const {}
+};
+
+// `others` runs on the block's threads past the first warp while that warp builds the tables (the
+// final barrier orders whatever it stores).
+template <class Others = NoWork>
 __device__ Routing build_routing(const int* __restrict__ topk_ids, int num_pairs, int experts, int* smem,
-                                 int* __restrict__ err) {
+                                 int* __restrict__ err, const Others& others = Others{}) {
     const int umax = num_pairs < experts ? num_pairs : experts;
     int* map = smem;                   // expert -> unique index, or -1
     int* uexp = map + experts;
@@ -100,6 +107,8 @@ __device__ Routing build_routing(const int* __restrict__ topk_ids, int num_pairs
             if (t >= 0) entries[uoff[t >> 16] + (t & 0xffff)] = p;
         }
         if (lane == 0) *num_unique = nu;
+    } else {
+        others();
     }
     __syncthreads();
     return Routing{*num_unique, map, uexp, ucnt, uoff, entries};

@@ -67,52 +67,54 @@ __host__ __device__ constexpr bool h2_quads_repeat() {
 }
 static_assert(h2_quads_repeat(), "pair order must repeat every 8 elements");
 
-__device__ __forceinline__ XStage stage_x(const act_t* __restrict__ x, int m, float4* xs) {
+// The views of the staging area (xs: null when the step is not staged).
+__device__ __forceinline__ XStage x_views(int m, float4* xs) {
     if (!xs) return XStage{ nullptr, nullptr, nullptr };
+    if constexpr (W_H2) return XStage{ nullptr, reinterpret_cast<const uint4*>(xs + (m + 3) / 4), reinterpret_cast<const int*>(xs) };
+    return XStage{ xs, nullptr, nullptr };
+}
+
+// Stages the step's activations with the block's warps from w0 on, without a barrier: gate_up's
+// warps run it while the first warp builds the routing tables, whose final barrier orders it.
+__device__ __noinline__ void stage_x(const act_t* __restrict__ x, int m, float4* xs, int w0) {
+    const int tid = threadIdx.x - 32 * w0;
+    const int nthreads = blockDim.x - 32 * w0;
     constexpr int Q = HIDDEN / 8;  // eight activations (one uint4) per step
     if constexpr (W_H2) {
         int* xexp = reinterpret_cast<int*>(xs);
-        xs += (m + 3) / 4;
-        // Per-token max |x| (as float bits, which order like the floats when non-negative).
-        for (int t = threadIdx.x; t < m; t += blockDim.x) xexp[t] = 0;
-        __syncthreads();
+        uint4* xh = reinterpret_cast<uint4*>(xs + (m + 3) / 4);
         for (int t = 0; t < m; ++t) {
+            const uint4* xt = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
+            // Every warp finds the token's max |x| itself (float bits order like the floats when
+            // non-negative), so that no barrier is needed; the re-reads hit L1.
             unsigned mx = 0;
-            for (int i = threadIdx.x; i < Q; i += blockDim.x) {
+            for (int i = threadIdx.x & 31; i < Q; i += 32) {
                 float f[8];
-                widen8(__ldg(reinterpret_cast<const uint4*>(x + (long)t * HIDDEN) + i), (const act_t*)nullptr, f);
+                widen8(__ldg(xt + i), (const act_t*)nullptr, f);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) mx = max(mx, __float_as_uint(fabsf(f[k])));
             }
             mx = __reduce_max_sync(MOE_FULL_MASK, mx);
-            if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<unsigned*>(xexp) + t, mx);
-        }
-        __syncthreads();
-        for (int t = threadIdx.x; t < m; t += blockDim.x) {
             // max < 2^(e - 126): scale by 2^-k with k = e - 126 - limit, when positive.
-            const int e = (int)((unsigned)xexp[t] >> 23) - 126 - X_H2_LOG2_LIMIT;
-            xexp[t] = e > 0 ? e : 0;
-        }
-        __syncthreads();
-        uint4* xh = reinterpret_cast<uint4*>(xs);
-        for (int i = threadIdx.x; i < m * Q; i += blockDim.x) {
-            const int t = i / Q;
-            const int e0 = 8 * (i - t * Q);
-            const int v = e0 / W_VEC;
-            const int q = (e0 - v * W_VEC) / 8;
-            float f[8];
-            widen8(__ldg(reinterpret_cast<const uint4*>(x + (long)t * HIDDEN + e0)), (const act_t*)nullptr, f);
-            const float sc = __uint_as_float((unsigned)(127 - xexp[t]) << 23);
-            unsigned h[4];
+            const int k = max((int)(mx >> 23) - 126 - X_H2_LOG2_LIMIT, 0);
+            if (tid == 0) xexp[t] = k;
+            const float sc = __uint_as_float((unsigned)(127 - k) << 23);
+            for (int i = tid; i < Q; i += nthreads) {
+                const int e0 = 8 * i;
+                const int v = e0 / W_VEC;
+                const int q = (e0 - v * W_VEC) / 8;
+                float f[8];
+                widen8(__ldg(xt + i), (const act_t*)nullptr, f);
+                unsigned h[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
+                for (int j = 0; j < 4; ++j) {
+                    h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
+                }
+                xh[((t * VPL_H + (v >> 5)) * (W_VEC / 8) + q) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
             }
-            xh[((t * VPL_H + (v >> 5)) * (W_VEC / 8) + q) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
         }
-        return XStage{ nullptr, xh, xexp };
     } else {
-        for (int i = threadIdx.x; i < m * Q * 2; i += blockDim.x) {
+        for (int i = tid; i < m * Q * 2; i += nthreads) {
             const int t = i / (2 * Q);
             const int e = 4 * (i - t * 2 * Q);
             const int v = e / W_VEC;
@@ -123,9 +125,18 @@ __device__ __forceinline__ XStage stage_x(const act_t* __restrict__ x, int m, fl
             widen8(wide, (const act_t*)nullptr, f);
             xs[((t * VPL_H + (v >> 5)) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
         }
-        return XStage{ xs, nullptr, nullptr };
     }
-    // No barrier after the stores: callers stage before build_routing, whose barriers order them.
+}
+
+// The routing tables, with the activations staged by the other warps meanwhile.
+__device__ __forceinline__ Routing route_and_stage(const act_t* __restrict__ x, const int* __restrict__ topk_ids,
+                                                   int m, int* smem, int* __restrict__ err, XStage& xv) {
+    float4* xs = x_staged(m) ? x_stage_smem(smem, m) : nullptr;
+    xv = x_views(m, xs);
+    if (WARPS == 1 && xs) stage_x(x, m, xs, 0);
+    return build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err, [&] {
+        if (WARPS > 1 && xs) stage_x(x, m, xs, 1);
+    });
 }
 
 // The W_VEC / 2 fp16 pairs of token t's vector v, from the packed-half stage.
@@ -612,8 +623,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
-    const XStage xs = stage_x(x, m, x_staged(m) ? x_stage_smem(smem, m) : nullptr);
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
+    XStage xs;
+    const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
     gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
@@ -624,8 +635,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();
-    const XStage xs = stage_x(x, m, x_staged(m) ? x_stage_smem(smem, m) : nullptr);
-    const Routing r = build_routing(topk_ids, m * TOP_K, EXPERTS, smem, err);
+    XStage xs;
+    const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
     int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 0);
     int* sid = routing_scratch(smem, m * TOP_K, EXPERTS, 2);
     float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
