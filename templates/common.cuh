@@ -11,7 +11,7 @@
 //   dequant_vec(v, ws, w[W_VEC])  codes -> values (zero points applied, group scales not)
 //   row_scale<M>(scales, row) -> float, applied once to a row's reduced dot product
 //   W_H2            whether the codec also decodes to fp16 pairs (gate_up's packed-half dots):
-//   dequant_h2(v, ws, h[W_VEC / 2])  codes -> fp16 pairs, the same values as dequant_vec
+//   dequant_h2(v, ws, h[W_VEC / 2])  codes -> fp16 pairs (dequant_vec is then these, widened)
 //   h2_elem(p, hi)  the element pair p's low (hi = 0) or high half holds
 //   W_ABS_MAX       the largest |value| dequant_h2 yields (bounds the fp16 sums)
 // M = WMat<K, N, E> describes the matrix: row length K, rows per expert N, experts E; `row` counts

@@ -36,6 +36,17 @@ __device__ __forceinline__ void dequant_setup() {}
 
 #ifdef MOE_W_H2
 constexpr bool W_H2 = true;
+// Codecs with a pair decode: the fp32 values are the pairs, widened.
+__device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, float (&w)[W_VEC]) {
+    __half2 h[W_VEC / 2];
+    dequant_h2(v, ws, h);
+#pragma unroll
+    for (int p = 0; p < W_VEC / 2; ++p) {
+        const float2 f = __half22float2(h[p]);
+        w[h2_elem(p, 0)] = f.x;
+        w[h2_elem(p, 1)] = f.y;
+    }
+}
 #else
 // No packed-half decode for this format and variant: gate_up's dot products stay in fp32.
 constexpr bool W_H2 = false;

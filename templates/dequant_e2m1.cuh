@@ -1,57 +1,16 @@
 // FP4 e2m1 codes (element 2j in the low nibble of byte j), 32 per vector, decoded with {{ fmt.variant }}.
+{%- if fmt.variant == "lut" %}
 __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float (&w)[W_VEC]) {
     const unsigned words[4] = { v.x, v.y, v.z, v.w };
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned x = words[i];
-{%- if fmt.variant == "bits" %}
-        // LUT-free: in each 16-bit half, nibble p's sign goes to bit 15 and its exponent and
-        // mantissa (3 bits) to bits 9-11, making an fp16 that holds the value times 2^-14 (fp16
-        // bias 15, e2m1 bias 1; the subnormal 0.5 comes out exact); one multiply by 2^14 undoes it.
-        // Nibble p of the low half is element p, of the high half element p + 4.
-        const unsigned h0 = ((x << 12) & 0x80008000u) | ((x << 9) & 0x0e000e00u);
-        const unsigned h1 = ((x << 8) & 0x80008000u) | ((x << 5) & 0x0e000e00u);
-        const unsigned h2 = ((x << 4) & 0x80008000u) | ((x << 1) & 0x0e000e00u);
-        const unsigned h3 = (x & 0x80008000u) | ((x >> 3) & 0x0e000e00u);
-        const __half2 bias = u32_as_h2(0x74007400u);  // 2^14
-        const float2 f04 = __half22float2(__hmul2(u32_as_h2(h0), bias));
-        const float2 f15 = __half22float2(__hmul2(u32_as_h2(h1), bias));
-        const float2 f26 = __half22float2(__hmul2(u32_as_h2(h2), bias));
-        const float2 f37 = __half22float2(__hmul2(u32_as_h2(h3), bias));
-        w[8 * i + 0] = f04.x;
-        w[8 * i + 4] = f04.y;
-        w[8 * i + 1] = f15.x;
-        w[8 * i + 5] = f15.y;
-        w[8 * i + 2] = f26.x;
-        w[8 * i + 6] = f26.y;
-        w[8 * i + 3] = f37.x;
-        w[8 * i + 7] = f37.y;
-{%- else if fmt.variant == "hardware" %}
-        // cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a): one byte, two codes, low nibble to the low half.
-        unsigned h[4];
-        asm("{ .reg .b8 b0, b1, b2, b3;\n"
-            "  mov.b32 { b0, b1, b2, b3 }, %4;\n"
-            "  cvt.rn.f16x2.e2m1x2 %0, b0;\n"
-            "  cvt.rn.f16x2.e2m1x2 %1, b1;\n"
-            "  cvt.rn.f16x2.e2m1x2 %2, b2;\n"
-            "  cvt.rn.f16x2.e2m1x2 %3, b3;\n"
-            "}"
-            : "=r"(h[0]), "=r"(h[1]), "=r"(h[2]), "=r"(h[3])
-            : "r"(x));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float2 f = h2_to_f2(h[j]);
-            w[8 * i + 2 * j] = f.x;
-            w[8 * i + 2 * j + 1] = f.y;
-        }
-{%- else %}
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * i + j] = w_lut[(x >> (4 * j)) & 15u];
-{%- endif %}
+        for (int j = 0; j < 8; ++j) w[8 * i + j] = w_lut[(words[i] >> (4 * j)) & 15u];
     }
 }
-{%- if fmt.variant != "lut" %}
-// The packed-half seam (gate_up's dot products in fp16 pairs): the same decode, left as pairs.
+{%- else %}
+// Decoded to fp16 pairs (gate_up's dot products use them as they are; dequant.cuh widens them for
+// dequant_vec).
 #define MOE_W_H2 1
 constexpr float W_ABS_MAX = 6.0f;
 {%- if fmt.variant == "bits" %}
@@ -67,12 +26,17 @@ __device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2
     for (int i = 0; i < 4; ++i) {
         const unsigned x = words[i];
 {%- if fmt.variant == "bits" %}
+        // LUT-free: in each 16-bit half, nibble p's sign goes to bit 15 and its exponent and
+        // mantissa (3 bits) to bits 9-11, making an fp16 that holds the value times 2^-14 (fp16
+        // bias 15, e2m1 bias 1; the subnormal 0.5 comes out exact); one multiply by 2^14 undoes it.
+        // Nibble p of the low half is element p, of the high half element p + 4.
         const __half2 bias = u32_as_h2(0x74007400u);  // 2^14
         h[4 * i + 0] = __hmul2(u32_as_h2(((x << 12) & 0x80008000u) | ((x << 9) & 0x0e000e00u)), bias);
         h[4 * i + 1] = __hmul2(u32_as_h2(((x << 8) & 0x80008000u) | ((x << 5) & 0x0e000e00u)), bias);
         h[4 * i + 2] = __hmul2(u32_as_h2(((x << 4) & 0x80008000u) | ((x << 1) & 0x0e000e00u)), bias);
         h[4 * i + 3] = __hmul2(u32_as_h2((x & 0x80008000u) | ((x >> 3) & 0x0e000e00u)), bias);
 {%- else %}
+        // cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a): one byte, two codes, low nibble to the low half.
         unsigned r[4];
         asm("{ .reg .b8 b0, b1, b2, b3;\n"
             "  mov.b32 { b0, b1, b2, b3 }, %4;\n"

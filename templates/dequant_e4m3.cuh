@@ -1,39 +1,16 @@
 // FP8 e4m3 codes, 16 per vector, decoded with {{ fmt.variant }}.
+{%- if fmt.variant == "lut" %}
 __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float (&w)[W_VEC]) {
     const unsigned words[4] = { v.x, v.y, v.z, v.w };
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned x = words[i];
-{%- if fmt.variant == "hardware" %}
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            // cvt.rn.f16x2.e4m3x2 on sm_89+: two codes per instruction.
-            __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((x >> (16 * j)) & 0xffffu), __NV_E4M3);
-            float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-            w[4 * i + 2 * j] = f.x;
-            w[4 * i + 2 * j + 1] = f.y;
-        }
-{%- else if fmt.variant == "bits" %}
-        // Each code's sign to bit 15 of an fp16, its exponent and mantissa (7 bits) to bits 7-13:
-        // the fp16 then holds the value times 2^-8 (fp16 bias 15, e4m3 bias 7; subnormals too),
-        // undone by one exact multiply. Bytes 1 and 3 already sit in the top of each 16-bit half.
-        const unsigned odd = (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
-        const unsigned even = ((x << 8) & 0x80008000u) | ((x << 7) & 0x3f803f80u);
-        const __half2 bias = u32_as_h2(0x5c005c00u);  // 256
-        const float2 fe = __half22float2(__hmul2(u32_as_h2(even), bias));
-        const float2 fo = __half22float2(__hmul2(u32_as_h2(odd), bias));
-        w[4 * i] = fe.x;
-        w[4 * i + 1] = fo.x;
-        w[4 * i + 2] = fe.y;
-        w[4 * i + 3] = fo.y;
-{%- else %}
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w[4 * i + j] = w_lut[(x >> (8 * j)) & 0xffu];
-{%- endif %}
+        for (int j = 0; j < 4; ++j) w[4 * i + j] = w_lut[(words[i] >> (8 * j)) & 0xffu];
     }
 }
-{%- if fmt.variant != "lut" %}
-// The packed-half seam (gate_up's dot products in fp16 pairs): the same decode, left as pairs.
+{%- else %}
+// Decoded to fp16 pairs (gate_up's dot products use them as they are; dequant.cuh widens them for
+// dequant_vec).
 #define MOE_W_H2 1
 constexpr float W_ABS_MAX = 448.0f;
 {%- if fmt.variant == "hardware" %}
@@ -51,10 +28,14 @@ __device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2
 {%- if fmt.variant == "hardware" %}
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
+            // cvt.rn.f16x2.e4m3x2 on sm_89+: two codes per instruction.
             __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((x >> (16 * j)) & 0xffffu), __NV_E4M3);
             h[2 * i + j] = *reinterpret_cast<__half2*>(&r);
         }
 {%- else %}
+        // Each code's sign to bit 15 of an fp16, its exponent and mantissa (7 bits) to bits 7-13:
+        // the fp16 then holds the value times 2^-8 (fp16 bias 15, e4m3 bias 7; subnormals too),
+        // undone by one exact multiply. Bytes 1 and 3 already sit in the top of each 16-bit half.
         const __half2 bias = u32_as_h2(0x5c005c00u);  // 256
         h[2 * i] = __hmul2(u32_as_h2(((x << 8) & 0x80008000u) | ((x << 7) & 0x3f803f80u)), bias);
         h[2 * i + 1] = __hmul2(u32_as_h2((x & 0x80008000u) | ((x >> 1) & 0x3f803f80u)), bias);

@@ -1,33 +1,10 @@
 // INT8 codes (two's complement), 16 per vector, decoded with {{ fmt.variant }}.
-__device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float (&w)[W_VEC]) {
-    const unsigned words[4] = { v.x, v.y, v.z, v.w };
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned x = words[i];
 {%- if fmt.variant == "bits" %}
-        // Magic number: with the sign bit flipped a code is q + 128 in [0, 256); as the low byte of
-        // an fp16 whose high byte is 0x64 it reads 1024 + q + 128, exactly. Subtracting 1152
-        // leaves q. One prmt builds two fp16, one hsub2 finishes them.
-        const unsigned u = x ^ 0x80808080u;
-        const __half2 magic = u32_as_h2(0x64806480u);  // 1152
-        const float2 f02 = __half22float2(__hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4240u)), magic));
-        const float2 f13 = __half22float2(__hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4341u)), magic));
-        w[4 * i] = f02.x;
-        w[4 * i + 1] = f13.x;
-        w[4 * i + 2] = f02.y;
-        w[4 * i + 3] = f13.y;
-{%- else if fmt.variant == "hardware" %}
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w[4 * i + j] = __int2float_rn((int)(signed char)((x >> (8 * j)) & 0xffu));
-{%- else %}
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w[4 * i + j] = w_lut[(x >> (8 * j)) & 0xffu];
-{%- endif %}
-    }
-}
-{%- if fmt.variant == "bits" %}
-// The packed-half seam (gate_up's dot products in fp16 pairs): the same magic-number decode, left
-// as pairs. Pair 2i holds elements 4i and 4i + 2, pair 2i + 1 elements 4i + 1 and 4i + 3.
+// Magic number: with the sign bit flipped a code is q + 128 in [0, 256); as the low byte of an
+// fp16 whose high byte is 0x64 it reads 1024 + q + 128, exactly. Subtracting 1152 leaves q. One
+// prmt builds two fp16, one hsub2 finishes them. They stay fp16 pairs (gate_up's dot products use
+// them as they are; dequant.cuh widens them for dequant_vec): pair 2i holds elements 4i and
+// 4i + 2, pair 2i + 1 elements 4i + 1 and 4i + 3.
 #define MOE_W_H2 1
 constexpr float W_ABS_MAX = 128.0f;
 __device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 4 * (p >> 1) + (p & 1) + 2 * hi; }
@@ -39,6 +16,21 @@ __device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2
         const unsigned u = words[i] ^ 0x80808080u;
         h[2 * i] = __hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4240u)), magic);
         h[2 * i + 1] = __hsub2(u32_as_h2(__byte_perm(u, 0x64646464u, 0x4341u)), magic);
+    }
+}
+{%- else %}
+__device__ __forceinline__ void dequant_vec(const uint4 v, const WScale&, float (&w)[W_VEC]) {
+    const unsigned words[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+{%- if fmt.variant == "hardware" %}
+            w[4 * i + j] = __int2float_rn((int)(signed char)((words[i] >> (8 * j)) & 0xffu));
+{%- else %}
+            w[4 * i + j] = w_lut[(words[i] >> (8 * j)) & 0xffu];
+{%- endif %}
+        }
     }
 }
 {%- endif %}

@@ -1,5 +1,6 @@
 // INT4 codes (unsigned nibbles, element 2j in the low nibble of byte j), 32 per vector, minus
 // {% if fmt.asym %}the group's zero point{% else %}8{% endif %}, decoded with {{ fmt.variant }}.
+{%- if fmt.variant != "bits" %}
 __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, float (&w)[W_VEC]) {
     const unsigned words[4] = { v.x, v.y, v.z, v.w };
 {%- if fmt.asym %}
@@ -8,33 +9,7 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, flo
     (void)ws;
     constexpr int z = 8;
 {%- endif %}
-{%- if fmt.variant == "bits" %}
-    // Magic number: nibble n as the low mantissa bits of an fp16 with exponent bits 0x6400 reads
-    // 1024 + n (or 1024 + 16 n one nibble up), exactly. In each 16-bit half, mask 0x000f keeps
-    // nibble 0 (elements 0 / 4 of the word), 0x00f0 nibble 1 (1 / 5); shifting the word by 8 brings
-    // nibbles 2 and 3 (2 / 6, 3 / 7) down. Then (1024 + n) - (1024 + z) and
-    // (1024 + 16 n) / 16 - (64 + z) are n - z, exactly, two elements per instruction.
-    const __half2 lo_sub = u32_as_h2((0x6400u | (unsigned)z) * 0x00010001u);           // 1024 + z
-    const __half2 hi_add = u32_as_h2((0xd400u + ((unsigned)z << 4)) * 0x00010001u);    // -(64 + z)
-    const __half2 sixteenth = u32_as_h2(0x2c002c00u);                                  // 1 / 16
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned x = words[i];
-        const unsigned t = x >> 8;
-        const float2 f04 = __half22float2(__hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(x)), lo_sub));
-        const float2 f15 = __half22float2(__hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(x)), sixteenth, hi_add));
-        const float2 f26 = __half22float2(__hsub2(u32_as_h2(and_or<0x000f000fu, 0x64006400u>(t)), lo_sub));
-        const float2 f37 = __half22float2(__hfma2(u32_as_h2(and_or<0x00f000f0u, 0x64006400u>(t)), sixteenth, hi_add));
-        w[8 * i + 0] = f04.x;
-        w[8 * i + 4] = f04.y;
-        w[8 * i + 1] = f15.x;
-        w[8 * i + 5] = f15.y;
-        w[8 * i + 2] = f26.x;
-        w[8 * i + 6] = f26.y;
-        w[8 * i + 3] = f37.x;
-        w[8 * i + 7] = f37.y;
-    }
-{%- else if fmt.variant == "hardware" %}
+{%- if fmt.variant == "hardware" %}
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -57,9 +32,14 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, flo
     }
 {%- endif %}
 }
-{%- if fmt.variant == "bits" %}
-// The packed-half seam (gate_up's dot products in fp16 pairs): the same magic-number decode, left
-// as fp16 pairs. Pair 4i + j holds elements 8i + j (low half) and 8i + j + 4 (high half).
+{%- else %}
+// Magic number: nibble n as the low mantissa bits of an fp16 with exponent bits 0x6400 reads
+// 1024 + n (or 1024 + 16 n one nibble up), exactly. In each 16-bit half, mask 0x000f keeps
+// nibble 0 (elements 0 / 4 of the word), 0x00f0 nibble 1 (1 / 5); shifting the word by 8 brings
+// nibbles 2 and 3 (2 / 6, 3 / 7) down. Then (1024 + n) - (1024 + z) and
+// (1024 + 16 n) / 16 - (64 + z) are n - z, exactly, two elements per instruction. They stay fp16
+// pairs (gate_up's dot products use them as they are; dequant.cuh widens them for dequant_vec).
+// Pair 4i + j holds elements 8i + j (low half) and 8i + j + 4 (high half).
 #define MOE_W_H2 1
 constexpr float W_ABS_MAX = {% if fmt.asym %}15.0f{% else %}8.0f{% endif %};  // |n - z|
 __device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 8 * (p >> 2) + (p & 3) + 4 * hi; }
