@@ -54,3 +54,4 @@ constexpr float W_ABS_MAX = 1.0f;
 __device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 2 * p + hi; }
 __device__ __forceinline__ void dequant_h2(const uint4, const WScale&, __half2 (&)[W_VEC / 2]) {}
 #endif
+#undef MOE_W_H2  // a switch for this include only (the host test renders many formats into one file)
