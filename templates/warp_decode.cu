@@ -600,6 +600,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     int* sid = smem;
     float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
+    // No block of this grid waits on another, and the next kernel waits (griddepcontrol.wait) for
+    // our completion before it reads anything: let it launch once all our blocks have started, so
+    // that its blocks take the SM slots ours free instead of launching after our last one.
+    pdl_launch_dependents();
     down_phase<1, false>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
 // As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
@@ -613,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
     int* sid = smem;
     float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
+    pdl_launch_dependents();  // as in moe_down
     down_phase<1, false, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
 {%- for mt in token_tiles %}
