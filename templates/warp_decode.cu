@@ -262,33 +262,24 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
     return t;
 }
 
-// mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
-// A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
-// the row) and always has the next unit's weight loads in flight while it does the current math.
-// FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
-// counts once, after its whole phase, so no warp fences per item.
-template <int MT, bool FUSED>
-__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const XStage& xs,
-                                              const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                              float* __restrict__ mid, int* __restrict__ done) {
-    const int lane = threadIdx.x & 31;
-    // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
-    const int items = r.num_unique * INTER;
-    const int stride = gridDim.x * WARPS;
-    int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (item >= items) return;
-
-    // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
-    int base = 0, c0 = 0;
-    uint4 gv[GU_CHUNK], uv[GU_CHUNK];
-    WScale gsc[GU_CHUNK], usc[GU_CHUNK];  // group scales travel with their weights
-    auto rows = [&](int it, long& grow) {
-        grow = (long)r.uexp[it / INTER] * 2 * INTER + it % INTER;
-    };
-    auto load = [&](int it, int c, uint4 (&g)[GU_CHUNK], uint4 (&u)[GU_CHUNK], WScale (&gs)[GU_CHUNK],
-                    WScale (&us)[GU_CHUNK]) {
-        long grow;
-        rows(it, grow);
+// A gate_up unit's weights (GU_CHUNK vectors per lane of a gate and an up row) with the scales that
+// go with them: group scales per vector and, in the one-token kernel, the rows' scales
+// (per-channel formats). Loaded at the pass's end, row scales had their latency exposed once per
+// item (H100, M = 1: fp8 per-channel 20.6 -> 20.0 us); longer passes hide it, and there the two
+// registers made ptxas spill.
+template <int MT>
+struct GuUnit {
+    static constexpr bool ROWS_AHEAD = MT == 1;
+    uint4 g[GU_CHUNK], u[GU_CHUNK];
+    WScale gs[GU_CHUNK], us[GU_CHUNK];
+    float gr, ur;
+    // Loads vectors c..c+GU_CHUNK-1 (per lane) of the gate row grow and its up row.
+    __device__ __forceinline__ void load(const uint4* __restrict__ w13, const void* __restrict__ w13_scales, long grow,
+                                         int c, int lane) {
+        if (ROWS_AHEAD) {
+            gr = row_scale<W13>(w13_scales, grow);
+            ur = row_scale<W13>(w13_scales, grow + INTER);
+        }
         const uint4* gp = w13 + grow * NV_H;
         const uint4* up = gp + (long)INTER * NV_H;
 #pragma unroll
@@ -301,7 +292,64 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                 us[i] = load_wscale<W13>(w13_scales, grow + INTER, v);
             }
         }
-    };
+    }
+    __device__ __forceinline__ float gate_scale(const void* __restrict__ w13_scales, long grow) const {
+        return ROWS_AHEAD ? gr : row_scale<W13>(w13_scales, grow);
+    }
+    __device__ __forceinline__ float up_scale(const void* __restrict__ w13_scales, long grow) const {
+        return ROWS_AHEAD ? ur : row_scale<W13>(w13_scales, grow + INTER);
+    }
+};
+
+// The gate row of gate_up's item `item`, given its unique expert's id.
+__device__ __forceinline__ long gate_row(int expert, int item) { return (long)expert * 2 * INTER + item % INTER; }
+
+// A warp's first unit, loaded before the routing tables exist: when the step has at most 32
+// pairs, one warp can number the unique experts itself, in the order build_routing does (first
+// appearance of a valid id), and find its first item's expert. Its weights are then in flight
+// while the block builds the tables and stages the activations, instead of after.
+// Only the one-token kernel does it: in the others the unit's registers, live across the
+// prologue, made ptxas spill or drop to one block per SM.
+// Returns false (nothing loaded) for larger steps and for warps with no work.
+template <int MT>
+__device__ __forceinline__ bool load_first_unit(const int* __restrict__ topk_ids, int m, const uint4* __restrict__ w13,
+                                                const void* __restrict__ w13_scales, GuUnit<MT>& first) {
+    const int pairs = m * TOP_K;
+    if (MT > 1 || pairs > 32) return false;
+    const int lane = threadIdx.x & 31;
+    int e = lane < pairs ? __ldg(topk_ids + lane) : -1;
+    if (e < 0 || e >= EXPERTS) e = -1;
+    const unsigned peers = __match_any_sync(MOE_FULL_MASK, e);
+    const unsigned fresh = __ballot_sync(MOE_FULL_MASK, e >= 0 && lane == __ffs(peers) - 1);
+    const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int u = item / INTER;
+    if (u >= __popc(fresh)) return false;
+    const int e0 = __shfl_sync(MOE_FULL_MASK, e, __fns(fresh, 0, u + 1));
+    first.load(w13, w13_scales, gate_row(e0, item), 0, lane);
+    return true;
+}
+
+// mid[p][n] = act(gate_n . x_t) * (up_n . x_t) for every pair p = (t, slot) routed to expert e.
+// A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
+// the row) and always has the next unit's weight loads in flight while it does the current math.
+// cur: the warp's first unit, already loaded when `loaded`.
+// FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
+// counts once, after its whole phase, so no warp fences per item.
+template <int MT, bool FUSED>
+__device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const XStage& xs,
+                                              const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
+                                              float* __restrict__ mid, int* __restrict__ done, GuUnit<MT>& cur,
+                                              bool loaded) {
+    const int lane = threadIdx.x & 31;
+    // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
+    const int items = r.num_unique * INTER;
+    const int stride = gridDim.x * WARPS;
+    int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (item >= items) return;
+
+    // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
+    int base = 0, c0 = 0;
+    auto row = [&](int it) { return gate_row(r.uexp[it / INTER], it); };
     int nt = 0;
     int pair[MT];
     int tok[MT];
@@ -318,7 +366,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             au[j] = 0.0f;
         }
     };
-    load(item, 0, gv, uv, gsc, usc);
+    if (!loaded) cur.load(w13, w13_scales, row(item), 0, lane);
     setup(item, 0);
     while (true) {
         int nitem = item;
@@ -332,9 +380,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             }
         }
         const bool more = nitem < items;
-        uint4 gn[GU_CHUNK], un[GU_CHUNK];
-        WScale gsn[GU_CHUNK], usn[GU_CHUNK];
-        if (more) load(nitem, nc0, gn, un, gsn, usn);  // in flight during this unit's math
+        GuUnit<MT> next;
+        if (more) next.load(w13, w13_scales, row(nitem), nc0, lane);  // in flight during this unit's math
 #pragma unroll
         for (int i = 0; i < GU_CHUNK; ++i) {
             const int v = (c0 + i) * 32 + lane;
@@ -342,38 +389,37 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                 if (W_H2 && xs.h2) {
                     // fp16 pairs: a pair-FMA per two weights instead of a widening and two FMAs.
                     __half2 g[W_VEC / 2], w[W_VEC / 2];
-                    dequant_h2(gv[i], gsc[i], g);
-                    dequant_h2(uv[i], usc[i], w);
+                    dequant_h2(cur.g[i], cur.gs[i], g);
+                    dequant_h2(cur.u[i], cur.us[i], w);
 #pragma unroll
                     for (int j = 0; j < MT; ++j) {
                         if (j < nt) {
                             __half2 a[W_VEC / 2];
                             load_xh(xs.h2, tok[j], v, a);
-                            ag[j] += dot_h2(g, a, gsc[i]);
-                            au[j] += dot_h2(w, a, usc[i]);
+                            ag[j] += dot_h2(g, a, cur.gs[i]);
+                            au[j] += dot_h2(w, a, cur.us[i]);
                         }
                     }
                 } else {
                     float g[W_VEC], w[W_VEC];
-                    dequant_vec(gv[i], gsc[i], g);
-                    dequant_vec(uv[i], usc[i], w);
+                    dequant_vec(cur.g[i], cur.gs[i], g);
+                    dequant_vec(cur.u[i], cur.us[i], w);
 #pragma unroll
                     for (int j = 0; j < MT; ++j) {
                         if (j < nt) {
                             float a[W_VEC];
                             load_x(x, xs.f32, tok[j], v, a);
-                            ag[j] += dot(g, a, gsc[i]);
-                            au[j] += dot(w, a, usc[i]);
+                            ag[j] += dot(g, a, cur.gs[i]);
+                            au[j] += dot(w, a, cur.us[i]);
                         }
                     }
                 }
             }
         }
         if (nc0 == 0) {  // the pass is complete: reduce, activate, store
-            long grow;
-            rows(item, grow);
-            const float gs = row_scale<W13>(w13_scales, grow);
-            const float us = row_scale<W13>(w13_scales, grow + INTER);
+            const long grow = row(item);
+            const float gs = cur.gate_scale(w13_scales, grow);
+            const float us = cur.up_scale(w13_scales, grow);
             const int n = (int)(item % INTER);
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
@@ -395,38 +441,37 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         item = nitem;
         base = nbase;
         c0 = nc0;
-#pragma unroll
-        for (int i = 0; i < GU_CHUNK; ++i) {
-            gv[i] = gn[i];
-            uv[i] = un[i];
-            gsc[i] = gsn[i];
-            usc[i] = usn[i];
-        }
+        cur = next;
     }
 }
 
 // y[t][h] = sum over t's slots s of weight[t][s] * (w2[e_s][h] . mid[t * TOP_K + s]). A warp owns
-// one (h, t) and spreads the TOP_K rows' vectors over its lanes as one flat index f = s * NV_I + v,
-// so that rows shorter than a warp (4-bit w2 rows) still keep every lane loading and no lane walks
-// a per-expert loop. Consecutive warps take consecutive tokens of one h: a row that several of
-// them read is fetched from DRAM once and then hit in L2. The next unit's weights are in flight
-// during the current unit's math.
+// ROWS consecutive outputs h of one token t and spreads the TOP_K rows' vectors over its lanes
+// as one flat index f = s * NV_I + v, so that rows shorter than a warp (4-bit w2 rows) still keep
+// every lane loading and no lane walks a per-expert loop. Every warp reads its token's whole
+// intermediate (24 KB of fp32 for Qwen3): with ROWS = 2 each read serves two rows, halving that
+// traffic (H100, Qwen3 fp8, M = 8: 112 -> 103 us). moe_down_stash (M = 1, each warp one item)
+// keeps one row: two measured the same or slower there. Consecutive warps take consecutive tokens of one h: a row that several of them read is
+// fetched from DRAM once and then hit in L2. The next unit's weights are in flight during the
+// current unit's math.
 // sid/swt: the step's expert ids (-1 where out of range) and routing weights, in shared memory.
 // FUSED: mid is produced by this same grid; before an item's math, wait on ready[u] for each of
 // the token's experts, and read mid through L2 (other SMs wrote it).
-constexpr int DN_FLAT = TOP_K * NV_I;        // vectors per item
+constexpr int DN_ROWS = {{ dn_rows }};  // rows per item of moe_down and the fused kernels
+constexpr int DN_FLAT = TOP_K * NV_I;        // vectors per item and row
 constexpr int DN_VPL = (DN_FLAT + 31) / 32;  // ... per lane
 // Vectors per lane of a warp's first item that go to shared memory (cp.async) before the wait, on
 // top of the DN_CHUNK in registers: the wait on gate_up then finds them landed. Only
-// moe_down_stash (M = 1) has the stash; at M >= 2 it measured slower.
+// moe_down_stash (M = 1) has the stash, for one row per item; at M >= 2 it measured slower.
 constexpr int DN_STASH_VECS = DN_VPL - DN_CHUNK < {{ dn_stash }} ? DN_VPL - DN_CHUNK : {{ dn_stash }};
-template <int MT, bool FUSED, int DN_STASH = 0>
+template <int MT, bool FUSED, int ROWS, int DN_STASH = 0>
 __device__ __forceinline__ void down_phase(const int* sid, const float* swt, const Routing* r,
                                            const float* __restrict__ mid, const uint4* __restrict__ w2,
                                            const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
                                            const int* __restrict__ ready) {
+    static_assert(HIDDEN % ROWS == 0 && (DN_STASH == 0 || ROWS == 1), "the stash holds one row per item");
     const int lane = threadIdx.x & 31;
-    const int items = HIDDEN * m;  // 32-bit: the host bounds it
+    const int items = HIDDEN / ROWS * m;  // 32-bit: the host bounds it
     const int stride = gridDim.x * WARPS;
     int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (item >= items) {
@@ -434,9 +479,11 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
         return;
     }
 
-    auto load = [&](int it, int c, uint4 (&wv)[DN_CHUNK], WScale (&ws)[DN_CHUNK], float (&rs)[DN_CHUNK]) {
-        const int h = it / m;
-        const int t = it - h * m;
+    // An item's weights: unit vectors c..c+DN_CHUNK-1 per lane of each of its ROWS rows.
+    auto load = [&](int it, int c, uint4 (&wv)[DN_CHUNK][ROWS], WScale (&ws)[DN_CHUNK][ROWS],
+                    float (&rs)[DN_CHUNK][ROWS]) {
+        const int hr = it / m;
+        const int t = it - hr * m;
 #pragma unroll
         for (int i = 0; i < DN_CHUNK; ++i) {
             const int f = (c + i) * 32 + lane;
@@ -445,10 +492,13 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                 const int v = f - s * NV_I;
                 const int e = sid[t * TOP_K + s];
                 if (e >= 0) {
-                    const long rw = (long)e * HIDDEN + h;
-                    wv[i] = ldg_stream(w2 + rw * NV_I + v);
-                    ws[i] = load_wscale<W2>(w2_scales, rw, v);
-                    rs[i] = row_scale<W2>(w2_scales, rw);
+#pragma unroll
+                    for (int q = 0; q < ROWS; ++q) {
+                        const long rw = (long)e * HIDDEN + hr * ROWS + q;
+                        wv[i][q] = ldg_stream(w2 + rw * NV_I + v);
+                        ws[i][q] = load_wscale<W2>(w2_scales, rw, v);
+                        rs[i][q] = row_scale<W2>(w2_scales, rw);
+                    }
                 }
             }
         }
@@ -473,9 +523,9 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
         }
     };
 
-    uint4 wv[DN_CHUNK];
-    WScale wsc[DN_CHUNK];
-    float rsc[DN_CHUNK];
+    uint4 wv[DN_CHUNK][ROWS];
+    WScale wsc[DN_CHUNK][ROWS];
+    float rsc[DN_CHUNK][ROWS];
     // The weights and the step's routing do not depend on gate_up: the first unit's loads go out
     // before waiting for it, and so does the stash (the next DN_STASH vectors per lane of the
     // first item, with their scales), so that they overlap gate_up's tail.
@@ -506,7 +556,9 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
     if (!FUSED) pdl_wait();  // mid is gate_up's output
     wait_ready(item);
     int c0 = 0;
-    float acc = 0.0f;
+    float acc[ROWS];
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) acc[q] = 0.0f;
     if constexpr (DN_STASH > 0) {
         const int h = item / m;
         const int t = item - h * m;
@@ -521,7 +573,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                 float w[W_VEC], a[W_VEC];
                 dequant_vec(mine[i][lane], ssc[i], w);
                 load_mid<FUSED>(mid, p, v, a);
-                acc = fmaf(swt[p] * srs[i], dot(w, a, ssc[i]), acc);
+                acc[0] = fmaf(swt[p] * srs[i], dot(w, a, ssc[i]), acc[0]);
             }
         }
     }
@@ -534,12 +586,12 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
             nitem = item + stride;
         }
         const bool more = nitem < items;
-        uint4 wn[DN_CHUNK];
-        WScale wsn[DN_CHUNK];
-        float rsn[DN_CHUNK];
+        uint4 wn[DN_CHUNK][ROWS];
+        WScale wsn[DN_CHUNK][ROWS];
+        float rsn[DN_CHUNK][ROWS];
         if (more) load(nitem, nc0, wn, wsn, rsn);  // in flight during this unit's math
-        const int h = item / m;
-        const int t = item - h * m;
+        const int hr = item / m;
+        const int t = item - hr * m;
 #pragma unroll
         for (int i = 0; i < DN_CHUNK; ++i) {
             const int f = (c0 + i) * 32 + lane;
@@ -548,17 +600,24 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                 const int v = f - s * NV_I;
                 const int p = t * TOP_K + s;
                 if (sid[p] >= 0) {
-                    float w[W_VEC], a[W_VEC];
-                    dequant_vec(wv[i], wsc[i], w);
+                    float a[W_VEC];
                     load_mid<FUSED>(mid, p, v, a);
-                    acc = fmaf(swt[p] * rsc[i], dot(w, a, wsc[i]), acc);
+#pragma unroll
+                    for (int q = 0; q < ROWS; ++q) {
+                        float w[W_VEC];
+                        dequant_vec(wv[i][q], wsc[i][q], w);
+                        acc[q] = fmaf(swt[p] * rsc[i][q], dot(w, a, wsc[i][q]), acc[q]);
+                    }
                 }
             }
         }
         if (nc0 == 0) {  // the item is complete
-            const float v = warp_sum(acc);
-            if (lane == 0) y[(long)t * HIDDEN + h] = narrow(v, (const act_t*)nullptr);
-            acc = 0.0f;
+#pragma unroll
+            for (int q = 0; q < ROWS; ++q) {
+                const float v = warp_sum(acc[q]);
+                if (lane == 0) y[(long)t * HIDDEN + hr * ROWS + q] = narrow(v, (const act_t*)nullptr);
+                acc[q] = 0.0f;
+            }
             if (!more) break;
             wait_ready(nitem);
         }
@@ -566,9 +625,12 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
         c0 = nc0;
 #pragma unroll
         for (int i = 0; i < DN_CHUNK; ++i) {
-            wv[i] = wn[i];
-            wsc[i] = wsn[i];
-            rsc[i] = rsn[i];
+#pragma unroll
+            for (int q = 0; q < ROWS; ++q) {
+                wv[i][q] = wn[i][q];
+                wsc[i][q] = wsn[i][q];
+                rsc[i][q] = rsn[i][q];
+            }
         }
     }
 }
@@ -604,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     // our completion before it reads anything: let it launch once all our blocks have started, so
     // that its blocks take the SM slots ours free instead of launching after our last one.
     pdl_launch_dependents();
-    down_phase<1, false>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+    down_phase<1, false, DN_ROWS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
 // As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
 // memory before the wait: at M = 1, where each warp holds one item, more of it is in flight during
@@ -618,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
     float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
     pdl_launch_dependents();  // as in moe_down
-    down_phase<1, false, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+    down_phase<1, false, 1, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
 {%- for mt in token_tiles %}
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
@@ -628,9 +690,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
     pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
+    GuUnit<{{ mt }}> first;
+    const bool loaded = load_first_unit(topk_ids, m, w13, w13_scales, first);
     XStage xs;
     const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
-    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr);
+    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr, first, loaded);
 }
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
@@ -647,14 +711,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
-    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done);
+    GuUnit<{{ mt }}> first;
+    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done, first, false);
     // Publish this block's finished passes: one fence for the whole phase.
     __threadfence();
     __syncthreads();
     for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
         if (done[u]) red_release_add(ready + u, done[u]);
     }
-    down_phase<{{ mt }}, true>(sid, swt, &r, mid, w2, w2_scales, y, m, ready);
+    down_phase<{{ mt }}, true, DN_ROWS>(sid, swt, &r, mid, w2, w2_scales, y, m, ready);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();

@@ -286,7 +286,15 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         router,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
-    Ok(KernelSource { family, arch, name, source, entry_points: entry_points(), block_threads: tiles.gemm_threads() })
+    Ok(KernelSource {
+        family,
+        arch,
+        name,
+        source,
+        entry_points: entry_points(),
+        block_threads: tiles.gemm_threads(),
+        down_rows: 1,
+    })
 }
 
 /// The entry points of a grouped module.

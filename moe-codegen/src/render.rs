@@ -101,6 +101,10 @@ pub struct DecodeTiles {
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
     pub dn_chunk: u32,
+    /// Hidden outputs (rows of w2) per item of `moe_down` and the fused kernels: each read of the
+    /// intermediate serves that many rows. Divides the hidden size. `moe_down_stash` (M = 1)
+    /// always takes one.
+    pub dn_rows: u32,
     /// Whether gate_up stages the step's activations in shared memory as fp32 (when they fit
     /// in [`X_STAGE_MAX_BYTES`]); the host sizes shared memory for it either way.
     pub stage_x: bool,
@@ -118,14 +122,17 @@ impl DecodeTiles {
     /// without spilling. down's chunk divides the vectors each lane owns per item when it can,
     /// so that no unit runs with idle slots. 4-bit items are short (6 vectors per lane for
     /// Qwen3), and loading one whole measured 9% faster than units of 3-4 on the H100 at M = 1;
-    /// wider formats measured the same with 4 as with 6-8, at fewer registers.
+    /// wider formats measured the same with 4 as with 6-8, at fewer registers. Two rows per down
+    /// item halve its reads of the intermediate: on the H100 (Qwen3) at M = 2 and 8, 2-10% faster
+    /// than one for fp8, int8 and int4 g128; four were no better at M = 8.
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
         let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
         let cap = if vec >= 32 { 8 } else { 4 };
         let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, stage_x: true, dn_stash: 4 }
+        let dn_rows = if spec.hidden() % 2 == 0 { 2 } else { 1 };
+        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -146,6 +153,9 @@ pub struct KernelSource {
     pub entry_points: Vec<String>,
     /// Threads per block every entry point is built for (its `__launch_bounds__`).
     pub block_threads: u32,
+    /// Hidden outputs per down work item (warp decode's [`DecodeTiles::dn_rows`]; 1 for the
+    /// other families): the host sizes down's grid from it.
+    pub down_rows: u32,
 }
 
 #[derive(Template)]
@@ -162,6 +172,7 @@ struct WarpDecodeCu {
     warps: u32,
     gu_chunk: u32,
     dn_chunk: u32,
+    dn_rows: u32,
     xs_max_bytes: u32,
     dn_stash: u32,
     token_tiles: [u32; 4],
@@ -194,6 +205,20 @@ fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) ->
 /// Render the warp-decode family with explicit tiles.
 pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
     let variant = resolve_dequant(spec, arch)?;
+    if tiles.warps == 0 || tiles.gu_chunk == 0 || tiles.dn_chunk == 0 || tiles.dn_rows == 0 {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!("decode tiles with a zero count ({tiles:?})"),
+        });
+    }
+    if spec.hidden() % tiles.dn_rows != 0 {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!("{} rows per down item with a hidden size of {}", tiles.dn_rows, spec.hidden()),
+        });
+    }
     // The stash is static shared memory, next to the LUT tables: keep the block under 48 KiB.
     if tiles.warps * tiles.dn_stash * 512 + static_smem_bytes(spec, arch) > DN_STASH_MAX_BYTES {
         return Err(CodegenError::Unsupported {
@@ -218,6 +243,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         warps: tiles.warps,
         gu_chunk: tiles.gu_chunk,
         dn_chunk: tiles.dn_chunk,
+        dn_rows: tiles.dn_rows,
         xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
         dn_stash: tiles.dn_stash,
         token_tiles: TOKEN_TILES,
@@ -230,6 +256,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         source,
         entry_points: entry_points(KernelFamily::WarpDecode),
         block_threads: tiles.warps * 32,
+        down_rows: tiles.dn_rows,
     })
 }
 
@@ -273,6 +300,7 @@ pub fn render_dequant_probe(
         source,
         entry_points: vec!["dequant_probe".to_string()],
         block_threads: PROBE_THREADS,
+        down_rows: 1,
     })
 }
 
@@ -282,6 +310,15 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
     match family {
         KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).warps * 32,
         KernelFamily::GroupedGemm => grouped::GemmTiles::for_spec(spec, arch).gemm_threads(),
+    }
+}
+
+/// Hidden outputs per down work item of a family's kernels for a spec: what [`render`] puts in
+/// [`KernelSource::down_rows`].
+pub fn down_rows(spec: &MoeSpec, family: KernelFamily) -> u32 {
+    match family {
+        KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).dn_rows,
+        KernelFamily::GroupedGemm => 1,
     }
 }
 
@@ -569,6 +606,10 @@ mod tests {
         // 8 warps x 12 vectors x 512 B = 48 KiB: over the static budget, a typed refusal.
         let e = render_warp_decode(&s, Arch::Sm90a, DecodeTiles { dn_stash: 12, ..t }).unwrap_err();
         assert!(matches!(e, CodegenError::Unsupported { .. }) && e.to_string().contains("stash"), "{e}");
+        let e = render_warp_decode(&s, Arch::Sm90a, DecodeTiles { dn_rows: 0, ..t }).unwrap_err();
+        assert!(e.to_string().contains("zero count"), "{e}");
+        let e = render_warp_decode(&s, Arch::Sm90a, DecodeTiles { dn_rows: 3, ..t }).unwrap_err();
+        assert!(e.to_string().contains("3 rows per down item"), "{e}");
         assert_eq!(decode_down_smem_bytes(&s, 1), 64);
         assert_eq!(decode_down_smem_bytes(&s, 3), 192);
     }
@@ -578,7 +619,7 @@ mod tests {
         let s = qwen(WeightFormat::Bf16);
         let t = DecodeTiles::for_spec(&s);
         // down: 8 rows x 96 vectors = 24 per lane, in units of 4; 4-bit: 6 per lane, one unit.
-        assert_eq!((t.gu_chunk, t.dn_chunk), (4, 4));
+        assert_eq!((t.gu_chunk, t.dn_chunk, t.dn_rows), (4, 4, 2));
         assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Int4G128)).dn_chunk, 6);
         assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3)).dn_chunk, 4);
         // A 4-bit intermediate row of 768 is 24 vectors of 32, padded to one chunk of 32.

@@ -59,6 +59,8 @@ pub struct MoeLayer {
     /// Shared memory the kernels declare statically (the dequant table of `lut`).
     static_smem: u32,
     warps: u32,
+    /// Hidden outputs per down item (the module's tiles).
+    down_rows: usize,
     w13: CudaSlice<u8>,
     w13_scales: CudaSlice<u8>,
     w2: CudaSlice<u8>,
@@ -147,6 +149,13 @@ impl MoeLayer {
     /// As [`MoeLayer::load`], with source rendered ahead of time (e.g. by `#[moe_kernel]`).
     pub fn with_source(device: &Device, spec: MoeSpec, src: KernelSource, weights: &HostWeights) -> Result<MoeLayer> {
         weights.validate(&spec)?;
+        if src.down_rows == 0 || spec.hidden() % src.down_rows != 0 {
+            return Err(RuntimeError::Shape {
+                what: "KernelSource::down_rows",
+                expected: format!("a divisor of the hidden size {}", spec.hidden()),
+                got: src.down_rows.to_string(),
+            });
+        }
         let module = device.load(&src)?;
         let stream = device.stream().clone();
         let warps = src.block_threads / 32;
@@ -178,6 +187,7 @@ impl MoeLayer {
             max_smem: device.max_smem_optin(),
             static_smem: static_smem as u32,
             warps,
+            down_rows: src.down_rows as usize,
             w13: stream.clone_htod(&weights.w13)?,
             w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
             w2: stream.clone_htod(&weights.w2)?,
@@ -500,7 +510,10 @@ impl MoeLayer {
         let block = self.warps * 32;
         let pairs = (m * k) as u64;
         let gu_items = pairs.min(self.spec.experts() as u64) * self.spec.intermediate() as u64;
-        let dn_items = h as u64 * m as u64;
+        // At M = 1 every down warp holds one item (one row): the stash kernel, which takes the
+        // whole item to shared memory before the wait.
+        let (down, dn_rows) = if m == 1 { (&self.down_stash, 1) } else { (&self.down, self.down_rows) };
+        let dn_items = (h / dn_rows) as u64 * m as u64;
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
         if self.fused {
@@ -510,7 +523,7 @@ impl MoeLayer {
             if per_sm == 0 {
                 return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
             }
-            let blocks = grid(gu_items.max(dn_items), per_sm);
+            let blocks = grid(gu_items.max((h / self.down_rows) as u64 * m as u64), per_sm);
             let mut args = [
                 as_arg(&mut xp),
                 as_arg(&mut idp),
@@ -556,8 +569,6 @@ impl MoeLayer {
             // down needs only the step's ids and weights in dynamic shared memory: the less it
             // asks for, the sooner its blocks fit beside gate_up's last ones.
             let dn_smem = decode_down_smem_bytes(&self.spec, m as u32);
-            // At M = 1 every down warp holds one item: stash it whole before the wait.
-            let down = if m == 1 { &self.down_stash } else { &self.down };
             launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
         }
         Ok(())
