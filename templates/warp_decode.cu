@@ -14,6 +14,7 @@ constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
+constexpr bool GU_EARLY = {{ gu_early }};  // the one-token gate_up loads its first unit before routing
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
 
 static_assert((long)EXPERTS * INTER < 2147483647L, "gate_up's work indices are 32-bit");
@@ -308,14 +309,14 @@ __device__ __forceinline__ long gate_row(int expert, int item) { return (long)ex
 // pairs, one warp can number the unique experts itself, in the order build_routing does (first
 // appearance of a valid id), and find its first item's expert. Its weights are then in flight
 // while the block builds the tables and stages the activations, instead of after.
-// Only the one-token kernel does it: in the others the unit's registers, live across the
-// prologue, made ptxas spill or drop to one block per SM.
+// Only the one-token kernel does it (and only where GU_EARLY measured faster): in the others the
+// unit's registers, live across the prologue, made ptxas spill or drop to one block per SM.
 // Returns false (nothing loaded) for larger steps and for warps with no work.
 template <int MT>
 __device__ __forceinline__ bool load_first_unit(const int* __restrict__ topk_ids, int m, const uint4* __restrict__ w13,
                                                 const void* __restrict__ w13_scales, GuUnit<MT>& first) {
     const int pairs = m * TOP_K;
-    if (MT > 1 || pairs > 32) return false;
+    if (!GU_EARLY || MT > 1 || pairs > 32) return false;
     const int lane = threadIdx.x & 31;
     int e = lane < pairs ? __ldg(topk_ids + lane) : -1;
     if (e < 0 || e >= EXPERTS) e = -1;
