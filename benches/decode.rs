@@ -258,16 +258,18 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
     for &format in formats {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
-        let configs = [(d, false), (DecodeTiles { dn_rows: 1, ..d }, false), (d, true)];
+        let other_lanes = if d.gu_lanes == 16 { 32 } else { 16 };
+        let configs = [(d, false), (DecodeTiles { gu_lanes: other_lanes, ..d }, false), (d, true)];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
             let mut line = format!(
-                "{:<9} {kind} w{} gu{} dn{}x{} {xs} st{}:",
+                "{:<9} {kind} w{} gu{}/{} dn{}x{} {xs} st{}:",
                 format.name(),
                 t.warps,
                 t.gu_chunk,
+                t.gu_lanes,
                 t.dn_chunk,
                 t.dn_rows,
                 t.dn_stash

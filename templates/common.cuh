@@ -74,6 +74,13 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
     return v;
 }
+// The sum over each aligned group of N lanes (N a power of two up to 32), in every lane of it.
+template <int N>
+__device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+    for (int o = N / 2; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
+    return v;
+}
 
 // Programmatic dependent launch (sm_90+): the next kernel in the stream may start its
 // prologue while this one drains; it must call pdl_wait() before reading what we wrote.

@@ -13,7 +13,7 @@ constexpr int INTER = {{ intermediate }};
 constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
 constexpr int WARPS = {{ warps }};        // warps per block
-constexpr int GU_CHUNK = {{ gu_chunk }};  // 16-byte vectors per lane per row in flight (gate_up)
+constexpr int GU_CHUNK = {{ gu_chunk }};  // at most this many 16-byte vectors per lane per row in a gate_up unit
 constexpr bool GU_EARLY = {{ gu_early }};  // the one-token gate_up loads its first unit before routing
 constexpr int DN_CHUNK = {{ dn_chunk }};  // ... per lane of an item's flat vectors (down)
 
@@ -23,7 +23,18 @@ using W2 = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 
 constexpr int NV_H = HIDDEN / W_VEC;      // 16-byte vectors per w13 row
 constexpr int NV_I = INTER / W_VEC;       // 16-byte vectors per w2 row
-constexpr int VPL_H = (NV_H + 31) / 32;   // vectors per lane per w13 row (the last may be partial)
+constexpr int VPL_H = (NV_H + 31) / 32;   // 32-vector chunks per w13 row (the last may be partial)
+// gate_up's lanes per token tile: the one-token kernel gives a w13 row a whole warp; the others
+// give it {{ gu_lanes }} lanes (16: a warp serves two neighbouring neurons of one expert at once, with
+// twice the vectors per lane in flight).
+template <int MT>
+struct GuShape {
+    static constexpr int LANES = MT == 1 ? 32 : {{ gu_lanes }};
+    static constexpr int ITEMS = 32 / LANES;                       // items a warp serves at once
+    static constexpr int VPL = (NV_H + LANES - 1) / LANES;         // vectors per lane per w13 row
+    static constexpr int CHUNK = VPL < GU_CHUNK ? VPL : GU_CHUNK;  // ... per lane per row in a unit
+    static_assert((LANES == 32 || LANES == 16) && INTER % ITEMS == 0, "a warp's items share an expert");
+};
 constexpr int VPL_I = (NV_I + 31) / 32;
 
 // The step's activations, staged once per block as fp32 when they fit (XS_MAX_BYTES): a lane then
@@ -263,7 +274,7 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
     return t;
 }
 
-// A gate_up unit's weights (GU_CHUNK vectors per lane of a gate and an up row) with the scales that
+// A gate_up unit's weights (CHUNK vectors per lane of a gate and an up row) with the scales that
 // go with them: group scales per vector and, in the one-token kernel, the rows' scales
 // (per-channel formats). Loaded at the pass's end, row scales had their latency exposed once per
 // item (H100, M = 1: fp8 per-channel 20.6 -> 20.0 us); longer passes hide it, and there the two
@@ -271,10 +282,11 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
 template <int MT>
 struct GuUnit {
     static constexpr bool ROWS_AHEAD = MT == 1;
-    uint4 g[GU_CHUNK], u[GU_CHUNK];
-    WScale gs[GU_CHUNK], us[GU_CHUNK];
+    using S = GuShape<MT>;
+    uint4 g[S::CHUNK], u[S::CHUNK];
+    WScale gs[S::CHUNK], us[S::CHUNK];
     float gr, ur;
-    // Loads vectors c..c+GU_CHUNK-1 (per lane) of the gate row grow and its up row.
+    // Loads vectors c..c+CHUNK-1 (per lane) of the gate row grow and its up row.
     __device__ __forceinline__ void load(const uint4* __restrict__ w13, const void* __restrict__ w13_scales, long grow,
                                          int c, int lane) {
         if (ROWS_AHEAD) {
@@ -284,9 +296,9 @@ struct GuUnit {
         const uint4* gp = w13 + grow * NV_H;
         const uint4* up = gp + (long)INTER * NV_H;
 #pragma unroll
-        for (int i = 0; i < GU_CHUNK; ++i) {
-            const int v = (c + i) * 32 + lane;
-            if (c + i < VPL_H && v < NV_H) {
+        for (int i = 0; i < S::CHUNK; ++i) {
+            const int v = (c + i) * S::LANES + lane % S::LANES;
+            if (c + i < S::VPL && v < NV_H) {
                 g[i] = ldg_stream(gp + v);
                 u[i] = ldg_stream(up + v);
                 gs[i] = load_wscale<W13>(w13_scales, grow, v);
@@ -322,8 +334,9 @@ __device__ __forceinline__ bool load_first_unit(const int* __restrict__ topk_ids
     if (e < 0 || e >= EXPERTS) e = -1;
     const unsigned peers = __match_any_sync(MOE_FULL_MASK, e);
     const unsigned fresh = __ballot_sync(MOE_FULL_MASK, e >= 0 && lane == __ffs(peers) - 1);
-    const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    const int u = item / INTER;
+    using S = GuShape<MT>;
+    const int item = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * S::ITEMS + lane / S::LANES;
+    const int u = item / INTER;  // the same for the warp's items
     if (u >= __popc(fresh)) return false;
     const int e0 = __shfl_sync(MOE_FULL_MASK, e, __fns(fresh, 0, u + 1));
     first.load(w13, w13_scales, gate_row(e0, item), 0, lane);
@@ -341,11 +354,14 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
                                               float* __restrict__ mid, int* __restrict__ done, GuUnit<MT>& cur,
                                               bool loaded) {
+    using S = GuShape<MT>;
     const int lane = threadIdx.x & 31;
+    const int sub = lane % S::LANES;  // lane within the item's row
     // Work indices are 32-bit (the host bounds them): 64-bit division costs several times more.
+    // The ITEMS items of a warp are valid or not together (items is a multiple of ITEMS).
     const int items = r.num_unique * INTER;
-    const int stride = gridDim.x * WARPS;
-    int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int stride = gridDim.x * WARPS * S::ITEMS;
+    int item = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * S::ITEMS + lane / S::LANES;
     if (item >= items) return;
 
     // Unit state: (item, base token of the pass, first vector-per-lane of the chunk).
@@ -371,8 +387,8 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
     setup(item, 0);
     while (true) {
         int nitem = item;
-        int nbase = base, nc0 = c0 + GU_CHUNK;
-        if (nc0 >= VPL_H) {
+        int nbase = base, nc0 = c0 + S::CHUNK;
+        if (nc0 >= S::VPL) {
             nc0 = 0;
             nbase = base + MT;
             if (nbase >= r.ucnt[item / INTER]) {
@@ -384,9 +400,9 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         GuUnit<MT> next;
         if (more) next.load(w13, w13_scales, row(nitem), nc0, lane);  // in flight during this unit's math
 #pragma unroll
-        for (int i = 0; i < GU_CHUNK; ++i) {
-            const int v = (c0 + i) * 32 + lane;
-            if (c0 + i < VPL_H && v < NV_H) {
+        for (int i = 0; i < S::CHUNK; ++i) {
+            const int v = (c0 + i) * S::LANES + sub;
+            if (c0 + i < S::VPL && v < NV_H) {
                 if (W_H2 && xs.h2) {
                     // fp16 pairs: a pair-FMA per two weights instead of a widening and two FMAs.
                     __half2 g[W_VEC / 2], w[W_VEC / 2];
@@ -430,12 +446,12 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                     if constexpr (W_H2) {
                         if (xs.xexp) xm = __uint_as_float((unsigned)(127 + xs.xexp[tok[j]]) << 23);
                     }
-                    const float g = warp_sum(ag[j]) * (gs * xm);
-                    const float v = warp_sum(au[j]) * (us * xm);
-                    if (lane == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
+                    const float g = lanes_sum<S::LANES>(ag[j]) * (gs * xm);
+                    const float v = lanes_sum<S::LANES>(au[j]) * (us * xm);
+                    if (sub == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
                 }
             }
-            if (FUSED && lane == 0) atomicAdd(done + item / INTER, 1);
+            if (FUSED && sub == 0) atomicAdd(done + item / INTER, 1);
             if (!more) break;
             setup(nitem, nbase);
         }

@@ -293,7 +293,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         source,
         entry_points: entry_points(),
         block_threads: tiles.gemm_threads(),
-        down_rows: 1,
+        decode_tiles: None,
     })
 }
 

@@ -96,8 +96,18 @@ pub fn static_smem_bytes(spec: &MoeSpec, arch: Arch) -> u32 {
 pub struct DecodeTiles {
     /// Warps per block.
     pub warps: u32,
-    /// 16-byte vectors per lane per w13 row loaded before any math (gate_up).
+    /// At most this many 16-byte vectors per lane per w13 row loaded before any math (gate_up;
+    /// fewer when the row has fewer per lane).
     pub gu_chunk: u32,
+    /// Lanes that share a w13 row in the multi-token gate_up kernels (token tiles 2-8): 32, or
+    /// 16 (a warp then serves two neighbouring neurons of one expert at once, with twice the
+    /// vectors per lane in flight). The one-token kernel always gives a row the whole warp: there
+    /// 16 measured slower for every format (H100, Qwen3, M = 1: int4 g128 13.7 against 13.0 us).
+    /// At M = 2 / 8, 16 lanes ran int4 g128 in 21.4 / 79.3 us against 23.2 / 88.8, int4 asym g64
+    /// 23.3 / 82.6 against 24.7 / 91.4 and nvfp4 28.6 / 104.4 against 29.8 / 109.6; fp8 was no
+    /// faster (33.6 / 106.5 against 33.0 / 102.6). The default stays 32 until 16 has passed the
+    /// GPU tests (`other_decode_tiles_match_reference`); then 16 for the 4-bit formats.
+    pub gu_lanes: u32,
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
     pub dn_chunk: u32,
@@ -132,13 +142,12 @@ impl DecodeTiles {
     /// than one for fp8, int8 and int4 g128; four were no better at M = 8.
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
         let vec = spec.weight_format().elems_per_16b();
-        let vpl_h = (spec.hidden() / vec).div_ceil(32);
         let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
         let cap = if vec >= 32 { 8 } else { 4 };
         let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
         let dn_rows = if spec.hidden() % 2 == 0 { 2 } else { 1 };
         let gu_early = spec.weight_format().codec() == Codec::E4m3;
-        DecodeTiles { warps: 8, gu_chunk: vpl_h.min(4), gu_early, dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
+        DecodeTiles { warps: 8, gu_chunk: 4, gu_lanes: 32, gu_early, dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -159,9 +168,9 @@ pub struct KernelSource {
     pub entry_points: Vec<String>,
     /// Threads per block every entry point is built for (its `__launch_bounds__`).
     pub block_threads: u32,
-    /// Hidden outputs per down work item (warp decode's [`DecodeTiles::dn_rows`]; 1 for the
-    /// other families): the host sizes down's grid from it.
-    pub down_rows: u32,
+    /// The tiles a warp-decode module was rendered with (None for the other families): the host
+    /// sizes the decode grids from them.
+    pub decode_tiles: Option<DecodeTiles>,
 }
 
 #[derive(Template)]
@@ -177,6 +186,7 @@ struct WarpDecodeCu {
     act_type: &'static str,
     warps: u32,
     gu_chunk: u32,
+    gu_lanes: u32,
     gu_early: bool,
     dn_chunk: u32,
     dn_rows: u32,
@@ -219,6 +229,13 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
             what: format!("decode tiles with a zero count ({tiles:?})"),
         });
     }
+    if !matches!(tiles.gu_lanes, 16 | 32) || spec.intermediate() % (32 / tiles.gu_lanes) != 0 {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!("{} lanes per gate_up row (16 or 32, two items sharing an expert)", tiles.gu_lanes),
+        });
+    }
     if spec.hidden() % tiles.dn_rows != 0 {
         return Err(CodegenError::Unsupported {
             family: KernelFamily::WarpDecode,
@@ -249,6 +266,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         act_type: spec.act_dtype().cuda_type(),
         warps: tiles.warps,
         gu_chunk: tiles.gu_chunk,
+        gu_lanes: tiles.gu_lanes,
         gu_early: tiles.gu_early,
         dn_chunk: tiles.dn_chunk,
         dn_rows: tiles.dn_rows,
@@ -264,7 +282,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         source,
         entry_points: entry_points(KernelFamily::WarpDecode),
         block_threads: tiles.warps * 32,
-        down_rows: tiles.dn_rows,
+        decode_tiles: Some(tiles),
     })
 }
 
@@ -308,7 +326,7 @@ pub fn render_dequant_probe(
         source,
         entry_points: vec!["dequant_probe".to_string()],
         block_threads: PROBE_THREADS,
-        down_rows: 1,
+        decode_tiles: None,
     })
 }
 
@@ -321,12 +339,12 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
     }
 }
 
-/// Hidden outputs per down work item of a family's kernels for a spec: what [`render`] puts in
-/// [`KernelSource::down_rows`].
-pub fn down_rows(spec: &MoeSpec, family: KernelFamily) -> u32 {
+/// The decode tiles of a family's module for a spec: what [`render`] puts in
+/// [`KernelSource::decode_tiles`].
+pub fn decode_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<DecodeTiles> {
     match family {
-        KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).dn_rows,
-        KernelFamily::GroupedGemm => 1,
+        KernelFamily::WarpDecode => Some(DecodeTiles::for_spec(spec)),
+        KernelFamily::GroupedGemm => None,
     }
 }
 
@@ -638,6 +656,13 @@ mod tests {
             DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3)),
         );
         assert!(k.unwrap().source.contains("constexpr bool GU_EARLY = true;"));
+        // 16 lanes per row in the multi-token gate_up kernels reach the source; 8 is refused.
+        let s4 = qwen(WeightFormat::Int4G128);
+        let t4 = DecodeTiles { gu_lanes: 16, ..DecodeTiles::for_spec(&s4) };
+        assert_eq!(t.gu_lanes, 32);
+        assert!(render_warp_decode(&s4, Arch::Sm90a, t4).unwrap().source.contains("MT == 1 ? 32 : 16;"));
+        let e = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { gu_lanes: 8, ..t4 }).unwrap_err();
+        assert!(e.to_string().contains("8 lanes per gate_up row"), "{e}");
         // A 4-bit intermediate row of 768 is 24 vectors of 32, padded to one chunk of 32.
         assert_eq!(decode_mid_floats(&qwen(WeightFormat::Int4G128), 2), 2 * 8 * 1024);
         assert_eq!(decode_mid_floats(&s, 1), 8 * 768);

@@ -174,7 +174,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                     source: ::std::string::ToString::to_string(source),
                     entry_points: #cg::render::entry_points(family),
                     block_threads: #cg::render::block_threads(&Self::SPEC, family, arch),
-                    down_rows: #cg::render::down_rows(&Self::SPEC, family),
+                    decode_tiles: #cg::render::decode_tiles(&Self::SPEC, family),
                 })
             }
 

@@ -61,6 +61,8 @@ pub struct MoeLayer {
     warps: u32,
     /// Hidden outputs per down item (the module's tiles).
     down_rows: usize,
+    /// Items a warp of the multi-token gate_up kernels serves at once (the module's tiles).
+    gate_up_items: u64,
     w13: CudaSlice<u8>,
     w13_scales: CudaSlice<u8>,
     w2: CudaSlice<u8>,
@@ -149,11 +151,16 @@ impl MoeLayer {
     /// As [`MoeLayer::load`], with source rendered ahead of time (e.g. by `#[moe_kernel]`).
     pub fn with_source(device: &Device, spec: MoeSpec, src: KernelSource, weights: &HostWeights) -> Result<MoeLayer> {
         weights.validate(&spec)?;
-        if src.down_rows == 0 || spec.hidden() % src.down_rows != 0 {
+        let dt = src.decode_tiles.ok_or_else(|| RuntimeError::Shape {
+            what: "KernelSource::decode_tiles",
+            expected: "the warp-decode tiles the source was rendered with".into(),
+            got: "none".into(),
+        })?;
+        if dt.dn_rows == 0 || spec.hidden() % dt.dn_rows != 0 || !matches!(dt.gu_lanes, 16 | 32) {
             return Err(RuntimeError::Shape {
-                what: "KernelSource::down_rows",
-                expected: format!("a divisor of the hidden size {}", spec.hidden()),
-                got: src.down_rows.to_string(),
+                what: "KernelSource::decode_tiles",
+                expected: format!("rows per down item dividing {} and 16 or 32 gate_up lanes", spec.hidden()),
+                got: format!("{dt:?}"),
             });
         }
         let module = device.load(&src)?;
@@ -187,7 +194,8 @@ impl MoeLayer {
             max_smem: device.max_smem_optin(),
             static_smem: static_smem as u32,
             warps,
-            down_rows: src.down_rows as usize,
+            down_rows: dt.dn_rows as usize,
+            gate_up_items: (32 / dt.gu_lanes) as u64,
             w13: stream.clone_htod(&weights.w13)?,
             w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
             w2: stream.clone_htod(&weights.w2)?,
@@ -514,6 +522,7 @@ impl MoeLayer {
         // whole item to shared memory before the wait.
         let (down, dn_rows) = if m == 1 { (&self.down_stash, 1) } else { (&self.down, self.down_rows) };
         let dn_items = (h / dn_rows) as u64 * m as u64;
+        let gu_warp_items = if tile == 1 { gu_items } else { gu_items.div_ceil(self.gate_up_items) };
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
         if self.fused {
@@ -523,7 +532,7 @@ impl MoeLayer {
             if per_sm == 0 {
                 return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
             }
-            let blocks = grid(gu_items.max((h / self.down_rows) as u64 * m as u64), per_sm);
+            let blocks = grid(gu_warp_items.max((h / self.down_rows) as u64 * m as u64), per_sm);
             let mut args = [
                 as_arg(&mut xp),
                 as_arg(&mut idp),
@@ -556,7 +565,7 @@ impl MoeLayer {
             // Staged activations can take more shared memory than the load-time sizing assumed.
             let gu_per_sm = fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
             let gu_per_sm = (gu_per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
-            launch(&fns.gate_up, s, grid(gu_items, gu_per_sm), block, smem, true, &mut gu)?;
+            launch(&fns.gate_up, s, grid(gu_warp_items, gu_per_sm), block, smem, true, &mut gu)?;
             let mut dn = [
                 as_arg(&mut midp),
                 as_arg(&mut idp),

@@ -1,7 +1,7 @@
 //! Warp decode on a real GPU against the f64 CPU reference. Ignored without a GPU; run with
 //! `cargo test -- --ignored` on a GPU machine. Each test fails (never passes) when no GPU is found.
 
-use moe_codegen::{MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use moe_codegen::{render_warp_decode, DecodeTiles, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moe_runtime::cudarc::driver::CudaSlice;
 use moe_runtime::reference::{compare, moe_forward};
@@ -57,9 +57,14 @@ fn check_case<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew:
 }
 
 fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
+    layer_cases_with(dev, spec, DecodeTiles::for_spec(&spec), ms)
+}
+
+fn layer_cases_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, ms: &[usize]) {
     let seed = fresh_seed();
     let w = random_weights(&spec, seed);
-    let mut layer = MoeLayer::load(dev, spec, &w).unwrap();
+    let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
+    let mut layer = MoeLayer::with_source(dev, spec, src, &w).unwrap();
     // Warp decode under test: keep every step off the grouped family.
     layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(true);
@@ -69,7 +74,7 @@ fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
             moe_codegen::ActDtype::Bf16 => check_case::<half::bf16>(&mut layer, &w, m, 0.3, case_seed),
             moe_codegen::ActDtype::Fp16 => check_case::<half::f16>(&mut layer, &w, m, 0.3, case_seed),
         };
-        println!("{:<44} m={m:<3} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed}", spec.id());
+        println!("{:<44} m={m:<3} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed} {tiles:?}", spec.id());
         assert!(
             rel <= 5e-3 && cos >= 0.99999,
             "{} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {case_seed})",
@@ -90,6 +95,22 @@ fn geometry_all_formats(name: &str) {
     for format in FORMATS {
         let spec = MoeSpec::builder(h, i, e, k).weight_format(format).build().unwrap();
         layer_cases(&dev, spec, &MS);
+    }
+}
+
+/// The tile options the defaults do not take for these formats: 16 lanes per w13 row in the
+/// multi-token gate_up (two items per warp), one row per down item, the early first unit flipped.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn other_decode_tiles_match_reference() {
+    let dev = gpu();
+    for format in [WeightFormat::Int4G128, WeightFormat::Fp8E4m3, WeightFormat::Bf16] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let d = DecodeTiles::for_spec(&spec);
+        let lanes = if d.gu_lanes == 16 { 32 } else { 16 };
+        for tiles in [DecodeTiles { gu_lanes: lanes, ..d }, DecodeTiles { dn_rows: 1, gu_early: !d.gu_early, ..d }] {
+            layer_cases_with(&dev, spec, tiles, &[1, 2, 3, 8]);
+        }
     }
 }
 
