@@ -105,8 +105,8 @@ pub struct DecodeTiles {
     /// 16 measured slower for every format (H100, Qwen3, M = 1: int4 g128 13.7 against 13.0 us).
     /// At M = 2 / 8, 16 lanes ran int4 g128 in 21.4 / 79.3 us against 23.2 / 88.8, int4 asym g64
     /// 23.3 / 82.6 against 24.7 / 91.4 and nvfp4 28.6 / 104.4 against 29.8 / 109.6; fp8 was no
-    /// faster (33.6 / 106.5 against 33.0 / 102.6). The default stays 32 until 16 has passed the
-    /// GPU tests (`other_decode_tiles_match_reference`); then 16 for the 4-bit formats.
+    /// faster (33.6 / 106.5 against 33.0 / 102.6). So 16 for the 4-bit formats, 32 for the rest
+    /// (both pass `other_decode_tiles_match_reference` on the H100).
     pub gu_lanes: u32,
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
@@ -147,7 +147,8 @@ impl DecodeTiles {
         let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
         let dn_rows = if spec.hidden() % 2 == 0 { 2 } else { 1 };
         let gu_early = spec.weight_format().codec() == Codec::E4m3;
-        DecodeTiles { warps: 8, gu_chunk: 4, gu_lanes: 32, gu_early, dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
+        let gu_lanes = if vec >= 32 { 16 } else { 32 };
+        DecodeTiles { warps: 8, gu_chunk: 4, gu_lanes, gu_early, dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -656,10 +657,12 @@ mod tests {
             DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3)),
         );
         assert!(k.unwrap().source.contains("constexpr bool GU_EARLY = true;"));
-        // 16 lanes per row in the multi-token gate_up kernels reach the source; 8 is refused.
+        // 16 lanes per row in the multi-token gate_up kernels (the 4-bit default) reach the
+        // source; 8 is refused.
         let s4 = qwen(WeightFormat::Int4G128);
-        let t4 = DecodeTiles { gu_lanes: 16, ..DecodeTiles::for_spec(&s4) };
-        assert_eq!(t.gu_lanes, 32);
+        let t4 = DecodeTiles::for_spec(&s4);
+        assert_eq!((t.gu_lanes, t4.gu_lanes), (32, 16));
+        assert_eq!(DecodeTiles::for_spec(&qwen(WeightFormat::Nvfp4)).gu_lanes, 16);
         assert!(render_warp_decode(&s4, Arch::Sm90a, t4).unwrap().source.contains("MT == 1 ? 32 : 16;"));
         let e = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { gu_lanes: 8, ..t4 }).unwrap_err();
         assert!(e.to_string().contains("8 lanes per gate_up row"), "{e}");
