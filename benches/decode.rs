@@ -258,14 +258,22 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
     for &format in formats {
         let spec = qwen(format);
         let d = DecodeTiles::for_spec(&spec);
-        let other_lanes = if d.gu_lanes == 16 { 32 } else { 16 };
-        let configs = [(d, false), (DecodeTiles { gu_lanes: other_lanes, ..d }, false), (d, true)];
+        let bulk = |gu: bool, gw: u32, dw: u32| {
+            let mut t = DecodeTiles { bulk_gu: gu, bulk_dn: true, bulk_gu_warps: gw, bulk_dn_warps: dw, ..d };
+            t.fit_bulk_stages(&spec);
+            (t, false)
+        };
+        let regs = DecodeTiles { bulk_gu: false, bulk_dn: false, ..d };
+        let configs = [(d, false), (regs, false), bulk(false, 16, 8), bulk(false, 16, 16), bulk(true, 16, 16)];
         for (t, fused) in configs {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
+            let gu = if t.bulk_gu { format!("w{}x{}", t.bulk_gu_warps, t.bulk_gu_stages) } else { "regs".into() };
+            let dn = if t.bulk_dn { format!("w{}x{}", t.bulk_dn_warps, t.bulk_dn_stages) } else { "regs".into() };
+            let bk = format!("gate_up {gu} down {dn}");
             let mut line = format!(
-                "{:<9} {kind} w{} gu{}/{} dn{}x{} {xs} st{}:",
+                "{:<9} {kind} {bk} w{} gu{}/{} dn{}x{} {xs} st{}:",
                 format.name(),
                 t.warps,
                 t.gu_chunk,

@@ -21,28 +21,6 @@ struct WsShape {
     static constexpr int A_ROWS = BM / 16;  // rows each producer thread gathers per stage (8 chunks of 16 B per row)
 };
 
-__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Arrive and add `bytes` to the transactions the current phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Arrive once this thread's earlier cp.async copies have landed (counted in the barrier's init).
-__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 // A box of the 2-D tensor map at (k element, row) into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap& map, int k, int row, unsigned bar) {
     asm volatile(
@@ -89,7 +67,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             mbar_init(full(st), 128 + 1);
             mbar_init(empty(st), 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     if (threadIdx.x < 128) {

@@ -39,7 +39,7 @@ struct alignas(64) TmaMap {
 {% include "router.cuh" %}
 {% include "align.cuh" %}
 {% include "gemm_tile.cuh" %}
-{% if ws == 1 %}{% include "gemm_ws.cuh" %}{% endif %}
+{% if ws == 1 %}{% include "mbarrier.cuh" %}{% include "gemm_ws.cuh" %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 

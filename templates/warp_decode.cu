@@ -6,6 +6,7 @@
 {% include "activation.cuh" %}
 {% include "dequant.cuh" %}
 {% include "routing.cuh" %}
+{% include "mbarrier.cuh" %}
 
 typedef {{ act_type }} act_t;
 constexpr int HIDDEN = {{ hidden }};
@@ -231,12 +232,13 @@ __device__ __forceinline__ long mid_index(int p, int n) {
 // The W_VEC fp32 intermediate activations of pair p's vector v. COHERENT: written by this grid, so
 // a plain weak ld.global (never the read-only .nc path); the gpu-scope acquire that precedes it
 // makes the released values visible, and the lines may still be shared in L1 across warps.
-template <bool COHERENT>
+// SMEM: mid is a copy in shared memory (the one-token bulk down).
+template <bool COHERENT, bool SMEM = false>
 __device__ __forceinline__ void load_mid(const float* __restrict__ mid, int p, int v, float (&a)[W_VEC]) {
     const float4* q = reinterpret_cast<const float4*>(mid + (long)p * MID_ROW) + (v >> 5) * (W_VEC / 4) * 32 + (v & 31);
 #pragma unroll
     for (int k = 0; k < W_VEC / 4; ++k) {
-        const float4 f = COHERENT ? ld_weak(q + 32 * k) : __ldg(q + 32 * k);
+        const float4 f = SMEM ? q[32 * k] : COHERENT ? ld_weak(q + 32 * k) : __ldg(q + 32 * k);
         a[4 * k] = f.x;
         a[4 * k + 1] = f.y;
         a[4 * k + 2] = f.z;
@@ -272,6 +274,50 @@ __device__ __forceinline__ float dot(const float (&w)[W_VEC], const float (&a)[W
         }
     }
     return t;
+}
+
+// Adds vector v of a gate and an up row (codes gq / uq, group scales gs / us) dotted with the
+// nt tokens' activations to their sums.
+template <int MT>
+__device__ __forceinline__ void gu_accumulate(const uint4& gq, const uint4& uq, const WScale& gs, const WScale& us,
+                                              const act_t* __restrict__ x, const XStage& xs, const int (&tok)[MT],
+                                              int nt, int v, float (&ag)[MT], float (&au)[MT]) {
+    if (W_H2 && xs.h2) {
+        // fp16 pairs: a pair-FMA per two weights instead of a widening and two FMAs.
+        __half2 g[W_VEC / 2], w[W_VEC / 2];
+        dequant_h2(gq, gs, g);
+        dequant_h2(uq, us, w);
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            if (j < nt) {
+                __half2 a[W_VEC / 2];
+                load_xh(xs.h2, tok[j], v, a);
+                ag[j] += dot_h2(g, a, gs);
+                au[j] += dot_h2(w, a, us);
+            }
+        }
+    } else {
+        float g[W_VEC], w[W_VEC];
+        dequant_vec(gq, gs, g);
+        dequant_vec(uq, us, w);
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            if (j < nt) {
+                float a[W_VEC];
+                load_x(x, xs.f32, tok[j], v, a);
+                ag[j] += dot(g, a, gs);
+                au[j] += dot(w, a, us);
+            }
+        }
+    }
+}
+
+// The factor that undoes token t's fp16 scaling of the packed-half stage (a power of two: exact).
+__device__ __forceinline__ float x_unscale(const XStage& xs, int t) {
+    if constexpr (W_H2) {
+        if (xs.xexp) return __uint_as_float((unsigned)(127 + xs.xexp[t]) << 23);
+    }
+    return 1.0f;
 }
 
 // A gate_up unit's weights (CHUNK vectors per lane of a gate and an up row) with the scales that
@@ -403,34 +449,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
         for (int i = 0; i < S::CHUNK; ++i) {
             const int v = (c0 + i) * S::LANES + sub;
             if (c0 + i < S::VPL && v < NV_H) {
-                if (W_H2 && xs.h2) {
-                    // fp16 pairs: a pair-FMA per two weights instead of a widening and two FMAs.
-                    __half2 g[W_VEC / 2], w[W_VEC / 2];
-                    dequant_h2(cur.g[i], cur.gs[i], g);
-                    dequant_h2(cur.u[i], cur.us[i], w);
-#pragma unroll
-                    for (int j = 0; j < MT; ++j) {
-                        if (j < nt) {
-                            __half2 a[W_VEC / 2];
-                            load_xh(xs.h2, tok[j], v, a);
-                            ag[j] += dot_h2(g, a, cur.gs[i]);
-                            au[j] += dot_h2(w, a, cur.us[i]);
-                        }
-                    }
-                } else {
-                    float g[W_VEC], w[W_VEC];
-                    dequant_vec(cur.g[i], cur.gs[i], g);
-                    dequant_vec(cur.u[i], cur.us[i], w);
-#pragma unroll
-                    for (int j = 0; j < MT; ++j) {
-                        if (j < nt) {
-                            float a[W_VEC];
-                            load_x(x, xs.f32, tok[j], v, a);
-                            ag[j] += dot(g, a, cur.gs[i]);
-                            au[j] += dot(w, a, cur.us[i]);
-                        }
-                    }
-                }
+                gu_accumulate<MT>(cur.g[i], cur.u[i], cur.gs[i], cur.us[i], x, xs, tok, nt, v, ag, au);
             }
         }
         if (nc0 == 0) {  // the pass is complete: reduce, activate, store
@@ -441,11 +460,7 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
                 if (j < nt) {
-                    // Undo the token's fp16 scaling (a power of two: exact).
-                    float xm = 1.0f;
-                    if constexpr (W_H2) {
-                        if (xs.xexp) xm = __uint_as_float((unsigned)(127 + xs.xexp[tok[j]]) << 23);
-                    }
+                    const float xm = x_unscale(xs, tok[j]);
                     const float g = lanes_sum<S::LANES>(ag[j]) * (gs * xm);
                     const float v = lanes_sum<S::LANES>(au[j]) * (us * xm);
                     if (sub == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
@@ -749,3 +764,4 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     pdl_launch_dependents();
 }
 {%- endfor %}
+{% include "decode_bulk.cuh" %}

@@ -127,7 +127,24 @@ pub struct DecodeTiles {
     /// down) copies to shared memory before it waits on gate_up, beyond the `dn_chunk` in
     /// registers (static shared memory: `warps * dn_stash * 512` bytes, under 40 KiB); 0: none.
     pub dn_stash: u32,
+    /// Whether one-token steps take the bulk gate_up (`moe_gate_up_bulk`) and the bulk down
+    /// (`moe_down_bulk`): a producer warp per block streams whole weight tiles into a ring in
+    /// shared memory with bulk copies; the bulk down loads its w2 before gate_up has finished.
+    /// Either may pair with the other's register-fed kernel.
+    pub bulk_gu: bool,
+    pub bulk_dn: bool,
+    /// Consumer warps of the bulk gate_up (its tile: that many neurons, gate and up rows) and
+    /// of the bulk down (its tile: that many rows of w2 per slot); each block adds a producer warp.
+    pub bulk_gu_warps: u32,
+    pub bulk_dn_warps: u32,
+    /// Tiles in the bulk gate_up's ring and in the bulk down's, 1 to 8.
+    pub bulk_gu_stages: u32,
+    pub bulk_dn_stages: u32,
 }
+
+/// Dynamic shared memory each bulk kernel may take: two of them (gate_up's and down's blocks)
+/// fit on one SM of 228 KiB beside the 1 KiB each block reserves.
+pub const BULK_SMEM_BUDGET: u32 = 112 * 1024;
 
 /// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
 pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
@@ -148,7 +165,48 @@ impl DecodeTiles {
         let dn_rows = if spec.hidden() % 2 == 0 { 2 } else { 1 };
         let gu_early = spec.weight_format().codec() == Codec::E4m3;
         let gu_lanes = if vec >= 32 { 16 } else { 32 };
-        DecodeTiles { warps: 8, gu_chunk: 4, gu_lanes, gu_early, dn_chunk, dn_rows, stage_x: true, dn_stash: 4 }
+        let warps = 8;
+        let mut t = DecodeTiles {
+            warps,
+            gu_chunk: 4,
+            gu_lanes,
+            gu_early,
+            dn_chunk,
+            dn_rows,
+            stage_x: true,
+            dn_stash: 4,
+            bulk_gu: false,
+            bulk_dn: false,
+            bulk_gu_warps: 16,
+            bulk_dn_warps: 8,
+            bulk_gu_stages: 1,
+            bulk_dn_stages: 1,
+        };
+        t.bulk_dn = vec >= 32 && t.fit_bulk_stages(spec);
+        t
+    }
+
+    /// Sets the bulk rings to as many stages as fit [`BULK_SMEM_BUDGET`] with the current
+    /// consumer warps; false if even one stage does not (or the tiles do not divide the spec).
+    pub fn fit_bulk_stages(&mut self, spec: &MoeSpec) -> bool {
+        if !self.bulk_tiles_divide(spec) {
+            return false;
+        }
+        (self.bulk_gu_stages, self.bulk_dn_stages) = (1, 1);
+        let (gu, dn) = bulk_smem_bytes(spec, self);
+        let (gu_tile, dn_tile) = bulk_tile_bytes(spec, self);
+        let stages = |fixed: u32, tile: u32| (BULK_SMEM_BUDGET.saturating_sub(fixed) / tile).clamp(1, 8);
+        self.bulk_gu_stages = stages(gu - gu_tile, gu_tile);
+        self.bulk_dn_stages = stages(dn - dn_tile, dn_tile);
+        let (gu, dn) = bulk_smem_bytes(spec, self);
+        gu.max(dn) <= BULK_SMEM_BUDGET
+    }
+
+    /// Whether the bulk kernels' tiles divide the spec's intermediate and hidden sizes (and
+    /// their blocks stay within 1024 threads).
+    pub fn bulk_tiles_divide(&self, spec: &MoeSpec) -> bool {
+        let (gw, dw) = (self.bulk_gu_warps, self.bulk_dn_warps);
+        (1..32).contains(&gw) && (1..32).contains(&dw) && spec.intermediate() % gw == 0 && spec.hidden() % dw == 0
     }
 
     /// The smallest token tile that covers a step of `m` tokens (the largest past it).
@@ -193,6 +251,10 @@ struct WarpDecodeCu {
     dn_rows: u32,
     xs_max_bytes: u32,
     dn_stash: u32,
+    bulk_gu_warps: u32,
+    bulk_dn_warps: u32,
+    bulk_gu_stages: u32,
+    bulk_dn_stages: u32,
     token_tiles: [u32; 4],
 }
 
@@ -255,6 +317,31 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
             ),
         });
     }
+    let stages_ok = |n: u32| (1..=8).contains(&n);
+    if !stages_ok(tiles.bulk_gu_stages) || !stages_ok(tiles.bulk_dn_stages) || !tiles.bulk_tiles_divide(spec) {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!(
+                "bulk rings of {} and {} stages (1 to 8) with {} and {} consumer warps (1 to 31, dividing the \
+                 intermediate size {} and the hidden size {})",
+                tiles.bulk_gu_stages,
+                tiles.bulk_dn_stages,
+                tiles.bulk_gu_warps,
+                tiles.bulk_dn_warps,
+                spec.intermediate(),
+                spec.hidden()
+            ),
+        });
+    }
+    let (gu, dn) = bulk_smem_bytes(spec, &tiles);
+    if (tiles.bulk_gu && gu > BULK_SMEM_MAX) || (tiles.bulk_dn && dn > BULK_SMEM_MAX) {
+        return Err(CodegenError::Unsupported {
+            family: KernelFamily::WarpDecode,
+            arch,
+            what: format!("bulk kernels of {gu} and {dn} bytes of shared memory (at most {BULK_SMEM_MAX})"),
+        });
+    }
     let name = module_name(KernelFamily::WarpDecode, spec, variant);
     let t = WarpDecodeCu {
         spec_id: name.clone(),
@@ -273,6 +360,10 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         dn_rows: tiles.dn_rows,
         xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
         dn_stash: tiles.dn_stash,
+        bulk_gu_warps: tiles.bulk_gu_warps,
+        bulk_dn_warps: tiles.bulk_dn_warps,
+        bulk_gu_stages: tiles.bulk_gu_stages,
+        bulk_dn_stages: tiles.bulk_dn_stages,
         token_tiles: TOKEN_TILES,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
@@ -353,7 +444,7 @@ pub fn decode_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<DecodeTiles>
 /// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
-        KernelFamily::WarpDecode => ["moe_down", "moe_down_stash"]
+        KernelFamily::WarpDecode => ["moe_down", "moe_down_stash", "moe_gate_up_bulk", "moe_down_bulk"]
             .map(String::from)
             .into_iter()
             .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
@@ -361,6 +452,10 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
         KernelFamily::GroupedGemm => grouped::entry_points(),
     }
 }
+
+/// Dynamic shared memory one block of a bulk kernel may take (the H100's and B200's opt-in
+/// limit; SM120 parts allow 99 KiB, where the host turns the bulk pair off).
+pub const BULK_SMEM_MAX: u32 = 227 * 1024;
 
 /// Static shared memory warp decode's down stash may take with the LUT tables (of 48 KiB).
 pub const DN_STASH_MAX_BYTES: u32 = 40 * 1024;
@@ -380,6 +475,27 @@ pub fn decode_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
     let xs = m as u64 * per_token;
     // The staged tokens follow a 16-byte slot of m ints (the packed-half path's scale exponents).
     routing + if xs <= X_STAGE_MAX_BYTES as u64 { (4 * m).next_multiple_of(16) + xs as u32 } else { 0 }
+}
+
+/// Bytes of one bulk gate_up tile (a gate and an up row per consumer warp) and one bulk down tile
+/// (a row of w2 per consumer warp and slot).
+fn bulk_tile_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
+    let vec = spec.weight_format().elems_per_16b();
+    let (row13, row2) = (spec.hidden() / vec * 16, spec.intermediate() / vec * 16);
+    (2 * tiles.bulk_gu_warps * row13, spec.top_k() * tiles.bulk_dn_warps * row2)
+}
+
+/// Dynamic shared memory of the bulk one-token kernels `(gate_up, down)` (mirrors
+/// `decode_bulk.cuh`): 128 bytes of mbarriers; gate_up's staged token (a 16-byte slot, then the
+/// fp32 layout of `stage_x`) and its ring; down's ids and weights, the intermediate and its ring.
+pub fn bulk_smem_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
+    let vec = spec.weight_format().elems_per_16b();
+    let xs_token = (spec.hidden() / vec).div_ceil(32) * vec * 32 * 4;
+    let (gu_tile, dn_tile) = bulk_tile_bytes(spec, tiles);
+    let gu = (128 + 16 + xs_token).next_multiple_of(128) + tiles.bulk_gu_stages * gu_tile;
+    let mid = decode_mid_floats(spec, 1) as u32 * 4;
+    let dn = (128 + 8 * spec.top_k()).next_multiple_of(128) + mid + tiles.bulk_dn_stages * dn_tile;
+    (gu, dn)
 }
 
 /// Dynamic shared memory of warp decode's down kernel for a step of `m` tokens: the step's ids and
@@ -466,7 +582,12 @@ mod tests {
             assert!(k.source.contains(needle), "missing {needle}");
         }
         for ep in &k.entry_points {
-            assert!(k.source.contains(&format!("void __launch_bounds__(WARPS * 32) {ep}(")), "{ep}");
+            let threads = match ep.as_str() {
+                "moe_gate_up_bulk" => "BK_GU_THREADS, 1",
+                "moe_down_bulk" => "BK_DN_THREADS, 1",
+                _ => "WARPS * 32",
+            };
+            assert!(k.source.contains(&format!("void __launch_bounds__({threads}) {ep}(")), "{ep}");
         }
         assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
     }

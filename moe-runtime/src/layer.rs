@@ -6,8 +6,8 @@ use crate::prefill::{GroupedPath, StepPtrs};
 use crate::weights::HostWeights;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use moe_codegen::{
-    decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, render, routing_smem_bytes, ActDtype, DecodeTiles,
-    KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
+    bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, render, routing_smem_bytes,
+    ActDtype, DecodeTiles, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES,
 };
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -45,6 +45,13 @@ struct TileFns {
     gate_up_blocks_per_sm: u32,
 }
 
+/// A one-token kernel that streams weights through shared memory (`decode_bulk.cuh`).
+struct BulkFn {
+    f: CudaFunction,
+    smem: u32,
+    threads: u32,
+}
+
 /// The down kernel (one for every token tile).
 struct DownFn {
     f: CudaFunction,
@@ -71,6 +78,9 @@ pub struct MoeLayer {
     down: DownFn,
     /// down with its first items stashed in shared memory, for steps of one token.
     down_stash: DownFn,
+    /// The bulk one-token kernels, where the tiles ask for them and their shared memory fits.
+    bulk_gate_up: Option<BulkFn>,
+    bulk_down: Option<BulkFn>,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
     /// Count of out-of-range expert ids the kernels met.
@@ -180,6 +190,17 @@ impl MoeLayer {
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let stash_f = module.load_function("moe_down_stash")?;
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
+        let (gu_smem, dn_smem) = bulk_smem_bytes(&spec, &dt);
+        let bulk_fn = |on: bool, name: &str, smem: u32, warps: u32| -> Result<Option<BulkFn>> {
+            if !on || smem > device.max_smem_optin() {
+                return Ok(None);
+            }
+            let f = module.load_function(name)?;
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+            Ok(Some(BulkFn { f, smem, threads: (warps + 1) * 32 }))
+        };
+        let bulk_gate_up = bulk_fn(dt.bulk_gu, "moe_gate_up_bulk", gu_smem, dt.bulk_gu_warps)?;
+        let bulk_down = bulk_fn(dt.bulk_dn, "moe_down_bulk", dn_smem, dt.bulk_dn_warps)?;
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
         for f in tiles.iter().flat_map(|t| [&t.gate_up, &t.fused]).chain([&down.f, &down_stash.f]) {
@@ -203,6 +224,8 @@ impl MoeLayer {
             tiles,
             down,
             down_stash,
+            bulk_gate_up,
+            bulk_down,
             mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(&spec, 1))?),
             errors: stream.alloc_zeros::<i32>(1)?,
             ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
@@ -225,6 +248,12 @@ impl MoeLayer {
         layer.stream.synchronize()?;
         tracing::info!(module = %src.name, arch = %device.arch(), "layer loaded");
         Ok(layer)
+    }
+
+    /// Whether one-token steps take the bulk gate_up and the bulk down (the tiles ask for them
+    /// and their shared memory fits this device).
+    pub fn bulk_one_token(&self) -> (bool, bool) {
+        (self.bulk_gate_up.is_some(), self.bulk_down.is_some())
     }
 
     pub fn spec(&self) -> &MoeSpec {
@@ -563,9 +592,21 @@ impl MoeLayer {
             // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
             // touches memory its predecessor may use, so only launch latency overlaps.
             // Staged activations can take more shared memory than the load-time sizing assumed.
-            let gu_per_sm = fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
-            let gu_per_sm = (gu_per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
-            launch(&fns.gate_up, s, grid(gu_warp_items, gu_per_sm), block, smem, true, &mut gu)?;
+            // The bulk kernels: one block per SM (a producer warp and the consumers), so that the
+            // bulk down's blocks are resident beside gate_up's and stream w2 meanwhile.
+            let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
+            match (m, &self.bulk_gate_up) {
+                (1, Some(b)) => {
+                    let tiles = pairs * self.spec.intermediate() as u64 / (b.threads / 32 - 1) as u64;
+                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut gu)?;
+                }
+                _ => {
+                    let per_sm =
+                        fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+                    let per_sm = (per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
+                    launch(&fns.gate_up, s, grid(gu_warp_items, per_sm), block, smem, true, &mut gu)?;
+                }
+            }
             let mut dn = [
                 as_arg(&mut midp),
                 as_arg(&mut idp),
@@ -577,8 +618,16 @@ impl MoeLayer {
             ];
             // down needs only the step's ids and weights in dynamic shared memory: the less it
             // asks for, the sooner its blocks fit beside gate_up's last ones.
-            let dn_smem = decode_down_smem_bytes(&self.spec, m as u32);
-            launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
+            match (m, &self.bulk_down) {
+                (1, Some(b)) => {
+                    let tiles = h as u64 / (b.threads / 32 - 1) as u64;
+                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut dn)?;
+                }
+                _ => {
+                    let dn_smem = decode_down_smem_bytes(&self.spec, m as u32);
+                    launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
+                }
+            }
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Warp decode on a real GPU against the f64 CPU reference. Ignored without a GPU; run with
 //! `cargo test -- --ignored` on a GPU machine. Each test fails (never passes) when no GPU is found.
 
-use moe_codegen::{render_warp_decode, DecodeTiles, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use moe_codegen::{bulk_smem_bytes, render_warp_decode, DecodeTiles, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moe_runtime::cudarc::driver::CudaSlice;
 use moe_runtime::reference::{compare, moe_forward};
@@ -65,6 +65,9 @@ fn layer_cases_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, ms: &[usize
     let w = random_weights(&spec, seed);
     let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
     let mut layer = MoeLayer::with_source(dev, spec, src, &w).unwrap();
+    let (gu, dn) = bulk_smem_bytes(&spec, &tiles);
+    let fits = |n: u32| n <= dev.max_smem_optin();
+    assert_eq!(layer.bulk_one_token(), (tiles.bulk_gu && fits(gu), tiles.bulk_dn && fits(dn)));
     // Warp decode under test: keep every step off the grouped family.
     layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(true);
@@ -112,6 +115,58 @@ fn other_decode_tiles_match_reference() {
             layer_cases_with(&dev, spec, tiles, &[1, 2, 3, 8]);
         }
     }
+}
+
+/// The bulk one-token pair (`decode_bulk.cuh`) against the reference on Qwen3 with every scale
+/// layout and codec (default variants; tests/gpu_formats.rs runs every 4-bit variant through it,
+/// the 4-bit default): with the rings the tiles size, with two stages each for some (so that they
+/// wrap), and the register pair where the bulk one is the default. Then an out-of-range id at
+/// M = 1: skipped and counted.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn bulk_one_token_matches_reference() {
+    use WeightFormat::*;
+    let dev = gpu();
+    let mut cases = Vec::new();
+    for format in [Bf16, Fp16, Fp8E4m3, Fp8E4m3B128, Mxfp8, Int8, Int8G64, Int4, Int4G128, Int4AsymG64, Nvfp4, Mxfp4] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let d = DecodeTiles::for_spec(&spec);
+        let bulk = DecodeTiles { bulk_gu: true, bulk_dn: true, ..d };
+        cases.push((spec, bulk));
+        if matches!(format, Fp8E4m3 | Int8G64 | Int4G128 | Nvfp4) {
+            cases.push((spec, DecodeTiles { bulk_gu_stages: 2, bulk_dn_stages: 2, ..bulk }));
+        }
+        // Each bulk kernel beside the other's register-fed one.
+        cases.push((spec, DecodeTiles { bulk_gu: !d.bulk_gu, bulk_dn: d.bulk_gu, ..d }));
+    }
+    let sources: Vec<_> = cases.iter().map(|(s, t)| render_warp_decode(s, dev.arch(), *t).unwrap()).collect();
+    dev.prepare(&sources).unwrap();
+    for (spec, tiles) in cases {
+        let (gu, dn) = bulk_smem_bytes(&spec, &tiles);
+        if (tiles.bulk_gu && gu > dev.max_smem_optin()) || (tiles.bulk_dn && dn > dev.max_smem_optin()) {
+            println!("{}: bulk rings of {gu} / {dn} bytes do not fit this device", spec.id());
+            continue;
+        }
+        layer_cases_with(&dev, spec, tiles, &[1]);
+    }
+    let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Int4G128).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let tiles = DecodeTiles { bulk_gu: true, bulk_dn: true, ..DecodeTiles::for_spec(&spec) };
+    let mut layer =
+        MoeLayer::with_source(&dev, spec, render_warp_decode(&spec, dev.arch(), tiles).unwrap(), &w).unwrap();
+    assert_eq!(layer.bulk_one_token(), (true, true));
+    layer.set_prefill_threshold(usize::MAX);
+    layer.set_validate_routing(false);
+    let (x, mut ids, mut rw) = random_step(&spec, 1, 0.0, fresh_seed());
+    ids[2] = 128;
+    let mut st = upload::<half::bf16>(&layer, &x, &ids, &rw);
+    let got = run(&layer, &mut st);
+    assert_eq!(layer.take_routing_errors().unwrap(), 1);
+    // The reference without that pair: any valid id with a zero weight.
+    (ids[2], rw[2]) = ((0..128).find(|e| !ids.contains(e)).unwrap(), 0.0);
+    let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, &ids, &rw));
+    println!("bulk, one id out of range: rel_l2={rel:.3e} cos={cos:.8}");
+    assert!(rel <= 5e-3 && cos >= 0.99999);
 }
 
 #[test]

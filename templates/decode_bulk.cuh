@@ -1,0 +1,252 @@
+// One-token steps streamed through shared memory by bulk copies.
+// At M = 1 a block's whole share of the step's weights is small (Qwen3 4-bit: about 95 KB of w13
+// and 48 KB of w2 per SM), so one producer thread per block can put most or all of it in flight
+// at once, where register-fed warps hold a unit or two each and stall on every refill. down's
+// blocks, resident beside gate_up's, stream their w2 before gate_up has finished: the step's
+// bytes then flow as one stream.
+//   moe_gate_up_bulk: tile = GW neurons of one pair's expert: their gate rows, then their up
+//     rows (two contiguous runs of w13); consumer warp w owns neuron w of each tile.
+//   moe_down_bulk: tile = DW hidden rows of every slot's expert (TOP_K contiguous runs of w2);
+//     consumer warp w owns row w of each tile.
+// Warp 0 produces (one lane issues the copies), warps 1..GW (DW) consume, through a ring of
+// STAGES tiles with a full and an empty mbarrier per stage. Each consumer loads its next tile's
+// scales from global memory while it works on the current one. The data arrives in bursts, so
+// the math needs more warps than the register-fed kernels give it.
+constexpr int GW = {{ bulk_gu_warps }};  // gate_up's consumer warps
+constexpr int DW = {{ bulk_dn_warps }};  // down's
+constexpr int BK_GU_THREADS = (GW + 1) * 32;
+constexpr int BK_DN_THREADS = (DW + 1) * 32;
+constexpr int BK_GU_STAGES = {{ bulk_gu_stages }};
+constexpr int BK_DN_STAGES = {{ bulk_dn_stages }};
+static_assert(BK_GU_STAGES >= 1 && BK_GU_STAGES <= 8 && BK_DN_STAGES >= 1 && BK_DN_STAGES <= 8,
+              "at most 8 stages (16 mbarriers)");
+static_assert(INTER % GW == 0 && HIDDEN % DW == 0, "whole tiles");
+constexpr int BK_ROW13 = NV_H * 16;  // bytes of a w13 row
+constexpr int BK_ROW2 = NV_I * 16;   // bytes of a w2 row
+constexpr int BK_GU_TILE = 2 * GW * BK_ROW13;
+constexpr int BK_DN_TILE = TOP_K * DW * BK_ROW2;
+constexpr int BK_GU_PER_PAIR = INTER / GW;  // gate_up tiles per (token, slot) pair
+constexpr int BK_GU_TILES = TOP_K * BK_GU_PER_PAIR;
+constexpr int BK_DN_TILES = HIDDEN / DW;
+__host__ __device__ constexpr int align128(int b) { return (b + 127) & ~127; }
+// Dynamic shared memory (mirrored on the host by bulk_smem_bytes): 128 bytes of mbarriers, then
+//   gate_up: the staged token (a 16-byte exponent slot, then XS_TOKEN_FLOATS floats), the stages;
+//   down: the step's ids and weights, mid (TOP_K rows of MID_ROW floats), the stages.
+constexpr int BK_GU_X = 128;
+constexpr int BK_GU_STAGE0 = align128(BK_GU_X + 16 + XS_TOKEN_FLOATS * 4);
+constexpr int BK_DN_PAIRS = 128;
+constexpr int BK_DN_MID = align128(BK_DN_PAIRS + 8 * TOP_K);
+constexpr int BK_DN_STAGE0 = BK_DN_MID + TOP_K * MID_ROW * 4;
+
+__device__ __forceinline__ unsigned bk_full(unsigned bars, int st) { return bars + 8 * st; }
+__device__ __forceinline__ unsigned bk_empty(unsigned bars, int st) { return bars + 64 + 8 * st; }
+// One thread: the ring's barriers (then a block barrier before any use).
+__device__ __forceinline__ void bk_init(unsigned bars, int stages, int consumers) {
+    for (int st = 0; st < stages; ++st) {
+        mbar_init(bk_full(bars, st), 1);              // the producer's arrival, plus the tile's bytes
+        mbar_init(bk_empty(bars, st), consumers);     // every consumer warp has read it
+    }
+    mbar_init_fence();
+}
+// Barrier 1: the N consumer warps only (the producer never waits on them this way).
+template <int N>
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(N * 32) : "memory");
+}
+
+// gate_up: this block's next tile from t on whose pair has a valid expert (BK_GU_TILES: none left),
+// and the first w13 row (gate) of tile t.
+__device__ __forceinline__ int bk_gu_next(const int* __restrict__ ids, int t) {
+    for (; t < BK_GU_TILES; t += gridDim.x) {
+        const int e = __ldg(ids + t / BK_GU_PER_PAIR);
+        if (e >= 0 && e < EXPERTS) break;
+    }
+    return t;
+}
+__device__ __forceinline__ long bk_gu_row(const int* __restrict__ ids, int t) {
+    return (long)__ldg(ids + t / BK_GU_PER_PAIR) * 2 * INTER + (t % BK_GU_PER_PAIR) * GW;
+}
+
+// A consumer lane's scales for its gate row grow and up row of a tile.
+struct BkGuScales {
+    WScale gs[VPL_H], us[VPL_H];
+    float gr, ur;
+    __device__ __forceinline__ void load(const void* __restrict__ sc, long grow, int lane) {
+        gr = row_scale<W13>(sc, grow);
+        ur = row_scale<W13>(sc, grow + INTER);
+#pragma unroll
+        for (int i = 0; i < VPL_H; ++i) {
+            const int v = i * 32 + lane;
+            if (v < NV_H) {
+                gs[i] = load_wscale<W13>(sc, grow, v);
+                us[i] = load_wscale<W13>(sc, grow + INTER, v);
+            }
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
+    const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
+    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
+    extern __shared__ __align__(128) char bk_smem[];
+    const unsigned bars = smem_u32(bk_smem);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) bk_init(bars, BK_GU_STAGES, GW);
+    dequant_setup();
+    __syncthreads();
+    pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
+    pdl_launch_dependents();
+    if (warp == 0) {
+        if (blockIdx.x == 0) {
+            for (int p = lane; p < TOP_K; p += 32) {
+                const int e = __ldg(topk_ids + p);
+                if (err && (e < 0 || e >= EXPERTS)) atomicAdd(err, 1);
+            }
+        }
+        if (lane == 0) {
+            const unsigned long long policy = l2_evict_first();
+            const char* w = reinterpret_cast<const char*>(w13);
+            int k = 0;
+            for (int t = bk_gu_next(topk_ids, blockIdx.x); t < BK_GU_TILES; t = bk_gu_next(topk_ids, t + gridDim.x)) {
+                const int st = k % BK_GU_STAGES;
+                mbar_wait(bk_empty(bars, st), ((k / BK_GU_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(bk_full(bars, st), BK_GU_TILE);
+                const long row = bk_gu_row(topk_ids, t);
+                const unsigned dst = bars + BK_GU_STAGE0 + st * BK_GU_TILE;
+                bulk_load(dst, w + row * BK_ROW13, GW * BK_ROW13, bk_full(bars, st), policy);
+                bulk_load(dst + GW * BK_ROW13, w + (row + INTER) * BK_ROW13, GW * BK_ROW13, bk_full(bars, st),
+                          policy);
+                ++k;
+            }
+        }
+        return;
+    }
+    const int cw = warp - 1;
+    float4* xsp = reinterpret_cast<float4*>(bk_smem + BK_GU_X);
+    int t = bk_gu_next(topk_ids, blockIdx.x);
+    BkGuScales cur;
+    if (t < BK_GU_TILES) cur.load(w13_scales, bk_gu_row(topk_ids, t) + cw, lane);
+    stage_x(x, 1, xsp, 1);
+    consumers_sync<GW>();
+    const XStage xs = x_views(1, xsp);
+    const float xm = x_unscale(xs, 0);
+    const int tok[1] = { 0 };
+    for (int k = 0; t < BK_GU_TILES; ++k) {
+        const int tn = bk_gu_next(topk_ids, t + gridDim.x);
+        BkGuScales next;
+        if (tn < BK_GU_TILES) next.load(w13_scales, bk_gu_row(topk_ids, tn) + cw, lane);
+        const int st = k % BK_GU_STAGES;
+        mbar_wait(bk_full(bars, st), (k / BK_GU_STAGES) & 1);
+        const uint4* gq = reinterpret_cast<const uint4*>(bk_smem + BK_GU_STAGE0 + st * BK_GU_TILE) + cw * NV_H;
+        const uint4* uq = gq + GW * NV_H;
+        float ag[1] = { 0.0f }, au[1] = { 0.0f };
+#pragma unroll
+        for (int i = 0; i < VPL_H; ++i) {
+            const int v = i * 32 + lane;
+            if (v < NV_H) gu_accumulate<1>(gq[v], uq[v], cur.gs[i], cur.us[i], x, xs, tok, 1, v, ag, au);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bk_empty(bars, st));
+        const float g = warp_sum(ag[0]) * (cur.gr * xm);
+        const float u = warp_sum(au[0]) * (cur.ur * xm);
+        if (lane == 0) mid[mid_index(t / BK_GU_PER_PAIR, (t % BK_GU_PER_PAIR) * GW + cw)] = moe_act(g) * u;
+        cur = next;
+        t = tn;
+    }
+}
+
+// A consumer lane's scales for its flat vectors of hidden row h, one per slot's expert.
+struct BkDnScales {
+    WScale ws[DN_VPL];
+    float rs[DN_VPL];
+    __device__ __forceinline__ void load(const void* __restrict__ sc, const int* sid, int h, int lane) {
+#pragma unroll
+        for (int i = 0; i < DN_VPL; ++i) {
+            const int f = i * 32 + lane;
+            const int s = f / NV_I;
+            const int e = f < DN_FLAT ? sid[s] : -1;
+            if (e >= 0) {
+                const long rw = (long)e * HIDDEN + h;
+                ws[i] = load_wscale<W2>(sc, rw, f - s * NV_I);
+                rs[i] = row_scale<W2>(sc, rw);
+            }
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
+    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+    extern __shared__ __align__(128) char bk_smem[];
+    const unsigned bars = smem_u32(bk_smem);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int* sid = reinterpret_cast<int*>(bk_smem + BK_DN_PAIRS);
+    float* swt = reinterpret_cast<float*>(sid + TOP_K);
+    if (threadIdx.x == 0) bk_init(bars, BK_DN_STAGES, DW);
+    dequant_setup();
+    // The ids, weights and w2 do not depend on gate_up: all of it goes out before the wait.
+    stage_pairs(topk_ids, topk_weights, TOP_K, sid, swt);  // ends with a block barrier
+    pdl_launch_dependents();  // as in moe_down
+    if (warp == 0) {
+        if (lane == 0) {
+            const unsigned long long policy = l2_evict_first();
+            const char* w = reinterpret_cast<const char*>(w2);
+            int bytes = 0;
+            for (int s = 0; s < TOP_K; ++s) bytes += sid[s] >= 0 ? DW * BK_ROW2 : 0;
+            int k = 0;
+            for (int t = blockIdx.x; t < BK_DN_TILES; t += gridDim.x, ++k) {
+                const int st = k % BK_DN_STAGES;
+                mbar_wait(bk_empty(bars, st), ((k / BK_DN_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(bk_full(bars, st), bytes);
+                const unsigned dst = bars + BK_DN_STAGE0 + st * BK_DN_TILE;
+                for (int s = 0; s < TOP_K; ++s) {
+                    const int e = sid[s];
+                    if (e >= 0) {
+                        bulk_load(dst + s * DW * BK_ROW2, w + ((long)e * HIDDEN + t * DW) * BK_ROW2,
+                                  DW * BK_ROW2, bk_full(bars, st), policy);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    const int cw = warp - 1;
+    int t = blockIdx.x;
+    BkDnScales cur;
+    if (t < BK_DN_TILES) cur.load(w2_scales, sid, t * DW + cw, lane);
+    pdl_wait();  // mid is gate_up's output
+    float* ms = reinterpret_cast<float*>(bk_smem + BK_DN_MID);
+    for (int i = threadIdx.x - 32; i < TOP_K * MID_ROW / 4; i += DW * 32) {
+        cp_async16(smem_u32(ms + 4 * i), mid + 4 * i, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    consumers_sync<DW>();
+    for (int k = 0; t < BK_DN_TILES; ++k) {
+        const int tn = t + gridDim.x;
+        BkDnScales next;
+        if (tn < BK_DN_TILES) next.load(w2_scales, sid, tn * DW + cw, lane);
+        const int st = k % BK_DN_STAGES;
+        mbar_wait(bk_full(bars, st), (k / BK_DN_STAGES) & 1);
+        const uint4* wq = reinterpret_cast<const uint4*>(bk_smem + BK_DN_STAGE0 + st * BK_DN_TILE);
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DN_VPL; ++i) {
+            const int f = i * 32 + lane;
+            const int s = f / NV_I;
+            const int v = f - s * NV_I;
+            if (f < DN_FLAT && sid[s] >= 0) {
+                float w[W_VEC], a[W_VEC];
+                dequant_vec(wq[(s * DW + cw) * NV_I + v], cur.ws[i], w);
+                load_mid<false, true>(ms, s, v, a);
+                acc = fmaf(swt[s] * cur.rs[i], dot(w, a, cur.ws[i]), acc);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bk_empty(bars, st));
+        const float sum = warp_sum(acc);
+        if (lane == 0) y[t * DW + cw] = narrow(sum, (const act_t*)nullptr);
+        cur = next;
+        t = tn;
+    }
+}
