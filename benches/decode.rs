@@ -250,22 +250,30 @@ fn summary(table: &[Row]) {
 }
 
 /// Compare tile configurations at a few step sizes (tuning aid; prints only):
-/// `--sweep [format,format...]`.
-fn sweep(dev: &Device, formats: &[WeightFormat]) {
+/// `--sweep [format,format...] [m,m...]`.
+fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
     println!("sweep: copy bandwidth {copy:.0} GB/s");
-    for &format in formats {
-        let spec = qwen(format);
-        let d = DecodeTiles::for_spec(&spec);
+    let configs = |spec: &MoeSpec| {
+        let d = DecodeTiles::for_spec(spec);
         let bulk = |gu: bool, gw: u32, dw: u32| {
             let mut t = DecodeTiles { bulk_gu: gu, bulk_dn: true, bulk_gu_warps: gw, bulk_dn_warps: dw, ..d };
-            t.fit_bulk_stages(&spec);
+            t.fit_bulk_stages(spec);
             (t, false)
         };
         let regs = DecodeTiles { bulk_gu: false, bulk_dn: false, ..d };
-        let configs = [(d, false), (regs, false), bulk(false, 16, 8), bulk(false, 16, 16), bulk(true, 16, 16)];
-        for (t, fused) in configs {
+        [(regs, false), bulk(false, 16, 16), bulk(true, 16, 16)]
+    };
+    // Compile every configuration up front, in parallel.
+    let sources: Vec<_> = formats
+        .iter()
+        .flat_map(|&f| configs(&qwen(f)).map(|(t, _)| render_warp_decode(&qwen(f), dev.arch(), t).unwrap()))
+        .collect();
+    dev.prepare(&sources).unwrap();
+    for &format in formats {
+        let spec = qwen(format);
+        for (t, fused) in configs(&spec) {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
@@ -282,7 +290,7 @@ fn sweep(dev: &Device, formats: &[WeightFormat]) {
                 t.dn_rows,
                 t.dn_stash
             );
-            for m in [1, 2, 8] {
+            for &m in ms {
                 let case = build_case(&layers, &spec, m);
                 let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;
                 let pct = 100.0 * case.bytes_per_layer / (us * 1e-6) / 1e9 / copy;
@@ -345,7 +353,11 @@ fn main() {
             Some(list) => list.split(',').map(|f| f.parse().unwrap()).collect(),
             None => vec![WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Int4G128],
         };
-        sweep(&dev, &formats);
+        let ms: Vec<usize> = match args.get(i + 2).filter(|a| !a.starts_with("--")) {
+            Some(list) => list.split(',').map(|m| m.parse().unwrap()).collect(),
+            None => vec![1, 2, 8],
+        };
+        sweep(&dev, &formats, &ms);
     } else if let Some(i) = args.iter().position(|a| a == "--profile") {
         let format: WeightFormat = args[i + 1].parse().unwrap();
         profile(&dev, format, args[i + 2].parse().unwrap(), args.get(i + 3).map(String::as_str) != Some("split"));

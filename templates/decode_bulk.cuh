@@ -29,25 +29,36 @@ constexpr int BK_GU_PER_PAIR = INTER / GW;  // gate_up tiles per (token, slot) p
 constexpr int BK_GU_TILES = TOP_K * BK_GU_PER_PAIR;
 constexpr int BK_DN_TILES = HIDDEN / DW;
 __host__ __device__ constexpr int align128(int b) { return (b + 127) & ~127; }
-// Dynamic shared memory (mirrored on the host by bulk_smem_bytes): 128 bytes of mbarriers, then
+// A ring of STAGES tiles: Q full barriers per stage (the producer's arrival plus the bytes of
+// their part of the tile) and one empty barrier (each consumer warp's arrival once it has read
+// the stage). gate_up gives each consumer warp its own full barrier, so that a warp starts on its
+// rows as soon as they have landed rather than when the whole tile has.
+template <int STAGES, int Q>
+struct BkRing {
+    static constexpr int BYTES = align128(8 * STAGES * (Q + 1));
+    unsigned bars;
+    __device__ __forceinline__ unsigned full(int st, int q = 0) const { return bars + 8 * (st * Q + q); }
+    __device__ __forceinline__ unsigned empty(int st) const { return bars + 8 * (STAGES * Q + st); }
+    // One thread (then a block barrier before any use).
+    __device__ __forceinline__ void init(int consumers) const {
+        for (int st = 0; st < STAGES; ++st) {
+            for (int q = 0; q < Q; ++q) mbar_init(full(st, q), 1);
+            mbar_init(empty(st), consumers);
+        }
+        mbar_init_fence();
+    }
+};
+using GuRing = BkRing<BK_GU_STAGES, GW>;
+using DnRing = BkRing<BK_DN_STAGES, 1>;
+// Dynamic shared memory (mirrored on the host by bulk_smem_bytes): the ring's barriers, then
 //   gate_up: the staged token (a 16-byte exponent slot, then XS_TOKEN_FLOATS floats), the stages;
 //   down: the step's ids and weights, mid (TOP_K rows of MID_ROW floats), the stages.
-constexpr int BK_GU_X = 128;
-constexpr int BK_GU_STAGE0 = align128(BK_GU_X + 16 + XS_TOKEN_FLOATS * 4);
-constexpr int BK_DN_PAIRS = 128;
-constexpr int BK_DN_MID = align128(BK_DN_PAIRS + 8 * TOP_K);
+constexpr int BK_GU_X = GuRing::BYTES;
+constexpr int BK_GU_STAGE0 = BK_GU_X + align128(16 + XS_TOKEN_FLOATS * 4);
+constexpr int BK_DN_PAIRS = DnRing::BYTES;
+constexpr int BK_DN_MID = BK_DN_PAIRS + align128(8 * TOP_K);
 constexpr int BK_DN_STAGE0 = BK_DN_MID + TOP_K * MID_ROW * 4;
 
-__device__ __forceinline__ unsigned bk_full(unsigned bars, int st) { return bars + 8 * st; }
-__device__ __forceinline__ unsigned bk_empty(unsigned bars, int st) { return bars + 64 + 8 * st; }
-// One thread: the ring's barriers (then a block barrier before any use).
-__device__ __forceinline__ void bk_init(unsigned bars, int stages, int consumers) {
-    for (int st = 0; st < stages; ++st) {
-        mbar_init(bk_full(bars, st), 1);              // the producer's arrival, plus the tile's bytes
-        mbar_init(bk_empty(bars, st), consumers);     // every consumer warp has read it
-    }
-    mbar_init_fence();
-}
 // Barrier 1: the N consumer warps only (the producer never waits on them this way).
 template <int N>
 __device__ __forceinline__ void consumers_sync() {
@@ -89,9 +100,9 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
     extern __shared__ __align__(128) char bk_smem[];
-    const unsigned bars = smem_u32(bk_smem);
+    const GuRing ring{ smem_u32(bk_smem) };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) bk_init(bars, BK_GU_STAGES, GW);
+    if (threadIdx.x == 0) ring.init(GW);
     dequant_setup();
     __syncthreads();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
@@ -103,21 +114,24 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
                 if (err && (e < 0 || e >= EXPERTS)) atomicAdd(err, 1);
             }
         }
-        if (lane == 0) {
-            const unsigned long long policy = l2_evict_first();
-            const char* w = reinterpret_cast<const char*>(w13);
-            int k = 0;
-            for (int t = bk_gu_next(topk_ids, blockIdx.x); t < BK_GU_TILES; t = bk_gu_next(topk_ids, t + gridDim.x)) {
-                const int st = k % BK_GU_STAGES;
-                mbar_wait(bk_empty(bars, st), ((k / BK_GU_STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(bk_full(bars, st), BK_GU_TILE);
-                const long row = bk_gu_row(topk_ids, t);
-                const unsigned dst = bars + BK_GU_STAGE0 + st * BK_GU_TILE;
-                bulk_load(dst, w + row * BK_ROW13, GW * BK_ROW13, bk_full(bars, st), policy);
-                bulk_load(dst + GW * BK_ROW13, w + (row + INTER) * BK_ROW13, GW * BK_ROW13, bk_full(bars, st),
-                          policy);
-                ++k;
+        // Lane q copies consumer q's gate and up rows.
+        const unsigned long long policy = l2_evict_first();
+        const char* w = reinterpret_cast<const char*>(w13);
+        int k = 0;
+        for (int t = bk_gu_next(topk_ids, blockIdx.x); t < BK_GU_TILES; t = bk_gu_next(topk_ids, t + gridDim.x)) {
+            const int st = k % BK_GU_STAGES;
+            if (lane == 0) {
+                mbar_wait(ring.empty(st), ((k / BK_GU_STAGES) & 1) ^ 1);
+                for (int q = 0; q < GW; ++q) mbar_arrive_expect_tx(ring.full(st, q), 2 * BK_ROW13);
             }
+            __syncwarp();
+            if (lane < GW) {
+                const long row = bk_gu_row(topk_ids, t) + lane;
+                const unsigned dst = ring.bars + BK_GU_STAGE0 + st * BK_GU_TILE + lane * BK_ROW13;
+                bulk_load(dst, w + row * BK_ROW13, BK_ROW13, ring.full(st, lane), policy);
+                bulk_load(dst + GW * BK_ROW13, w + (row + INTER) * BK_ROW13, BK_ROW13, ring.full(st, lane), policy);
+            }
+            ++k;
         }
         return;
     }
@@ -136,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
         BkGuScales next;
         if (tn < BK_GU_TILES) next.load(w13_scales, bk_gu_row(topk_ids, tn) + cw, lane);
         const int st = k % BK_GU_STAGES;
-        mbar_wait(bk_full(bars, st), (k / BK_GU_STAGES) & 1);
+        mbar_wait(ring.full(st, cw), (k / BK_GU_STAGES) & 1);
         const uint4* gq = reinterpret_cast<const uint4*>(bk_smem + BK_GU_STAGE0 + st * BK_GU_TILE) + cw * NV_H;
         const uint4* uq = gq + GW * NV_H;
         float ag[1] = { 0.0f }, au[1] = { 0.0f };
@@ -146,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
             if (v < NV_H) gu_accumulate<1>(gq[v], uq[v], cur.gs[i], cur.us[i], x, xs, tok, 1, v, ag, au);
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(bk_empty(bars, st));
+        if (lane == 0) mbar_arrive(ring.empty(st));
         const float g = warp_sum(ag[0]) * (cur.gr * xm);
         const float u = warp_sum(au[0]) * (cur.ur * xm);
         if (lane == 0) mid[mid_index(t / BK_GU_PER_PAIR, (t % BK_GU_PER_PAIR) * GW + cw)] = moe_act(g) * u;
@@ -178,11 +192,11 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
     extern __shared__ __align__(128) char bk_smem[];
-    const unsigned bars = smem_u32(bk_smem);
+    const DnRing ring{ smem_u32(bk_smem) };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int* sid = reinterpret_cast<int*>(bk_smem + BK_DN_PAIRS);
     float* swt = reinterpret_cast<float*>(sid + TOP_K);
-    if (threadIdx.x == 0) bk_init(bars, BK_DN_STAGES, DW);
+    if (threadIdx.x == 0) ring.init(DW);
     dequant_setup();
     // The ids, weights and w2 do not depend on gate_up: all of it goes out before the wait.
     stage_pairs(topk_ids, topk_weights, TOP_K, sid, swt);  // ends with a block barrier
@@ -196,14 +210,14 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
             int k = 0;
             for (int t = blockIdx.x; t < BK_DN_TILES; t += gridDim.x, ++k) {
                 const int st = k % BK_DN_STAGES;
-                mbar_wait(bk_empty(bars, st), ((k / BK_DN_STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(bk_full(bars, st), bytes);
-                const unsigned dst = bars + BK_DN_STAGE0 + st * BK_DN_TILE;
+                mbar_wait(ring.empty(st), ((k / BK_DN_STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(ring.full(st), bytes);
+                const unsigned dst = ring.bars + BK_DN_STAGE0 + st * BK_DN_TILE;
                 for (int s = 0; s < TOP_K; ++s) {
                     const int e = sid[s];
                     if (e >= 0) {
                         bulk_load(dst + s * DW * BK_ROW2, w + ((long)e * HIDDEN + t * DW) * BK_ROW2,
-                                  DW * BK_ROW2, bk_full(bars, st), policy);
+                                  DW * BK_ROW2, ring.full(st), policy);
                     }
                 }
             }
@@ -227,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
         BkDnScales next;
         if (tn < BK_DN_TILES) next.load(w2_scales, sid, tn * DW + cw, lane);
         const int st = k % BK_DN_STAGES;
-        mbar_wait(bk_full(bars, st), (k / BK_DN_STAGES) & 1);
+        mbar_wait(ring.full(st), (k / BK_DN_STAGES) & 1);
         const uint4* wq = reinterpret_cast<const uint4*>(bk_smem + BK_DN_STAGE0 + st * BK_DN_TILE);
         float acc = 0.0f;
 #pragma unroll
@@ -243,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
             }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(bk_empty(bars, st));
+        if (lane == 0) mbar_arrive(ring.empty(st));
         const float sum = warp_sum(acc);
         if (lane == 0) y[t * DW + cw] = narrow(sum, (const act_t*)nullptr);
         cur = next;

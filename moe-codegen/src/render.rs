@@ -178,28 +178,46 @@ impl DecodeTiles {
             bulk_gu: false,
             bulk_dn: false,
             bulk_gu_warps: 16,
-            bulk_dn_warps: 8,
+            bulk_dn_warps: 16,
             bulk_gu_stages: 1,
             bulk_dn_stages: 1,
         };
-        t.bulk_dn = vec >= 32 && t.fit_bulk_stages(spec);
+        // The bulk kernels where they measured faster (H100, Qwen3, M = 1, sweeps of 2026-11-22):
+        // the bulk down for every quantized format but nvfp4 (int4 14.5 -> 12.8 us, mxfp4 15.5 ->
+        // 14.2, int8 g32 20.8 -> 19.8; nvfp4 14.4 -> 15.1), the bulk gate_up beside it for the
+        // 4-bit ones (int4 asym g32 14.8 -> 13.6, mxfp4 14.2 -> 13.8; 8-bit 19.2 -> 20.6).
+        let nvfp4 = spec.weight_format() == WeightFormat::Nvfp4;
+        t.bulk_dn = vec >= 16 && !nvfp4;
+        t.bulk_gu = vec >= 32 && !nvfp4;
+        if !t.fit_bulk_stages(spec) {
+            (t.bulk_gu, t.bulk_dn) = (false, false);
+        }
         t
     }
 
-    /// Sets the bulk rings to as many stages as fit [`BULK_SMEM_BUDGET`] with the current
-    /// consumer warps; false if even one stage does not (or the tiles do not divide the spec).
+    /// Sets each bulk ring to as many stages (up to 8) as fit [`BULK_SMEM_BUDGET`] with the
+    /// current consumer warps, else to one; false if one stage needs more than [`BULK_SMEM_MAX`]
+    /// (or the tiles do not divide the spec).
     pub fn fit_bulk_stages(&mut self, spec: &MoeSpec) -> bool {
         if !self.bulk_tiles_divide(spec) {
             return false;
         }
-        (self.bulk_gu_stages, self.bulk_dn_stages) = (1, 1);
-        let (gu, dn) = bulk_smem_bytes(spec, self);
-        let (gu_tile, dn_tile) = bulk_tile_bytes(spec, self);
-        let stages = |fixed: u32, tile: u32| (BULK_SMEM_BUDGET.saturating_sub(fixed) / tile).clamp(1, 8);
-        self.bulk_gu_stages = stages(gu - gu_tile, gu_tile);
-        self.bulk_dn_stages = stages(dn - dn_tile, dn_tile);
-        let (gu, dn) = bulk_smem_bytes(spec, self);
-        gu.max(dn) <= BULK_SMEM_BUDGET
+        let fit = |t: &mut DecodeTiles, gu: bool| {
+            for n in (1..=8).rev() {
+                if gu {
+                    t.bulk_gu_stages = n;
+                } else {
+                    t.bulk_dn_stages = n;
+                }
+                let (g, d) = bulk_smem_bytes(spec, t);
+                let bytes = if gu { g } else { d };
+                if bytes <= BULK_SMEM_BUDGET || (n == 1 && bytes <= BULK_SMEM_MAX) {
+                    return true;
+                }
+            }
+            false
+        };
+        fit(self, true) & fit(self, false)
     }
 
     /// Whether the bulk kernels' tiles divide the spec's intermediate and hidden sizes (and
@@ -486,15 +504,19 @@ fn bulk_tile_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
 }
 
 /// Dynamic shared memory of the bulk one-token kernels `(gate_up, down)` (mirrors
-/// `decode_bulk.cuh`): 128 bytes of mbarriers; gate_up's staged token (a 16-byte slot, then the
-/// fp32 layout of `stage_x`) and its ring; down's ids and weights, the intermediate and its ring.
+/// `decode_bulk.cuh`): each ring's mbarriers (gate_up: one full barrier per consumer warp and an
+/// empty one per stage; down: one of each per stage), then gate_up's staged token (a 16-byte
+/// slot, then the fp32 layout of `stage_x`) and its stages; down's ids and weights, the
+/// intermediate and its stages.
 pub fn bulk_smem_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
     let vec = spec.weight_format().elems_per_16b();
     let xs_token = (spec.hidden() / vec).div_ceil(32) * vec * 32 * 4;
     let (gu_tile, dn_tile) = bulk_tile_bytes(spec, tiles);
-    let gu = (128 + 16 + xs_token).next_multiple_of(128) + tiles.bulk_gu_stages * gu_tile;
+    let bars = |stages: u32, q: u32| (8 * stages * (q + 1)).next_multiple_of(128);
+    let (gs, ds) = (tiles.bulk_gu_stages, tiles.bulk_dn_stages);
+    let gu = bars(gs, tiles.bulk_gu_warps) + (16 + xs_token).next_multiple_of(128) + gs * gu_tile;
     let mid = decode_mid_floats(spec, 1) as u32 * 4;
-    let dn = (128 + 8 * spec.top_k()).next_multiple_of(128) + mid + tiles.bulk_dn_stages * dn_tile;
+    let dn = bars(ds, 1) + (8 * spec.top_k()).next_multiple_of(128) + mid + ds * dn_tile;
     (gu, dn)
 }
 
@@ -787,6 +809,25 @@ mod tests {
         assert!(render_warp_decode(&s4, Arch::Sm90a, t4).unwrap().source.contains("MT == 1 ? 32 : 16;"));
         let e = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { gu_lanes: 8, ..t4 }).unwrap_err();
         assert!(e.to_string().contains("8 lanes per gate_up row"), "{e}");
+        // The bulk kernels: both for 4-bit (not nvfp4), down alone for 8-bit, neither for 16-bit.
+        let on = |f: WeightFormat| {
+            let t = DecodeTiles::for_spec(&qwen(f));
+            (t.bulk_gu, t.bulk_dn)
+        };
+        assert_eq!(on(WeightFormat::Int4G128), (true, true));
+        assert_eq!(on(WeightFormat::Fp8E4m3), (false, true));
+        assert_eq!((on(WeightFormat::Nvfp4), on(WeightFormat::Bf16)), ((false, false), (false, false)));
+        // Int4 g128: 3 gate_up stages of 16 gate and up rows (32 KiB) after 512 bytes of barriers
+        // and the 8 KiB token; one down stage of 16 rows per slot (48 KiB) after the 32 KiB
+        // intermediate. One 8-bit down stage (96 KiB) is past the budget but allowed.
+        assert_eq!((t4.bulk_gu_stages, t4.bulk_dn_stages), (3, 1));
+        assert_eq!(bulk_smem_bytes(&s4, &t4), (512 + 8320 + 3 * 32768, 128 + 128 + 32768 + 49152));
+        let t8 = DecodeTiles::for_spec(&qwen(WeightFormat::Fp8E4m3));
+        assert_eq!(bulk_smem_bytes(&qwen(WeightFormat::Fp8E4m3), &t8).1, 256 + 32768 + 98304);
+        let bad = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { bulk_dn_warps: 24, ..t4 }).unwrap_err();
+        assert!(bad.to_string().contains("24 consumer warps"), "{bad}");
+        let bad = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { bulk_gu_stages: 9, ..t4 }).unwrap_err();
+        assert!(bad.to_string().contains("bulk rings of 9"), "{bad}");
         // A 4-bit intermediate row of 768 is 24 vectors of 32, padded to one chunk of 32.
         assert_eq!(decode_mid_floats(&qwen(WeightFormat::Int4G128), 2), 2 * 8 * 1024);
         assert_eq!(decode_mid_floats(&s, 1), 8 * 768);
