@@ -262,8 +262,12 @@ fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
             t.fit_bulk_stages(spec);
             (t, false)
         };
-        let regs = DecodeTiles { bulk_gu: false, bulk_dn: false, ..d };
-        [(regs, false), bulk(false, 16, 16), bulk(true, 16, 16)]
+        let _ = bulk;
+        [
+            (d, false),
+            (DecodeTiles { bulk_dn_h2: !d.bulk_dn_h2, ..d }, false),
+            (DecodeTiles { bulk_gu: !d.bulk_gu, ..d }, false),
+        ]
     };
     // Compile every configuration up front, in parallel.
     let sources: Vec<_> = formats
@@ -278,7 +282,8 @@ fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
             let kind = if fused { "fused" } else { "split" };
             let xs = if t.stage_x { "xs" } else { "xg" };
             let gu = if t.bulk_gu { format!("w{}x{}", t.bulk_gu_warps, t.bulk_gu_stages) } else { "regs".into() };
-            let dn = if t.bulk_dn { format!("w{}x{}", t.bulk_dn_warps, t.bulk_dn_stages) } else { "regs".into() };
+            let h2 = if t.bulk_dn_h2 { " h2" } else { "" };
+            let dn = if t.bulk_dn { format!("w{}x{}{h2}", t.bulk_dn_warps, t.bulk_dn_stages) } else { "regs".into() };
             let bk = format!("gate_up {gu} down {dn}");
             let mut line = format!(
                 "{:<9} {kind} {bk} w{} gu{}/{} dn{}x{} {xs} st{}:",

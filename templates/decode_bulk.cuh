@@ -13,6 +13,7 @@
 // tile's scales from global memory while it works on the current one. The tiles land in bursts,
 // so the math after them needs more warps than the register-fed kernels give it (16: 8 measured
 // slower on the H100).
+constexpr bool BK_DN_H2 = W_H2 && {{ bulk_dn_h2 }};  // down's intermediate as fp16 pairs
 constexpr int GW = {{ bulk_gu_warps }};  // gate_up's consumer warps
 constexpr int DW = {{ bulk_dn_warps }};  // down's
 constexpr int BK_GU_THREADS = (GW + 1) * 32;
@@ -53,11 +54,12 @@ using GuRing = BkRing<BK_GU_STAGES, GW>;
 using DnRing = BkRing<BK_DN_STAGES, 1>;
 // Dynamic shared memory (mirrored on the host by bulk_smem_bytes): the ring's barriers, then
 //   gate_up: the staged token (a 16-byte exponent slot, then XS_TOKEN_FLOATS floats), the stages;
-//   down: the step's ids and weights, mid (TOP_K rows of MID_ROW floats), the stages.
+//   down: the step's ids, weights and mid's exponents, mid (TOP_K rows of MID_ROW floats, or half
+//     that as fp16 pairs), the stages.
 constexpr int BK_GU_X = GuRing::BYTES;
 constexpr int BK_GU_STAGE0 = BK_GU_X + align128(16 + XS_TOKEN_FLOATS * 4);
 constexpr int BK_DN_PAIRS = DnRing::BYTES;
-constexpr int BK_DN_MID = BK_DN_PAIRS + align128(8 * TOP_K);
+constexpr int BK_DN_MID = BK_DN_PAIRS + align128(12 * TOP_K);
 constexpr int BK_DN_STAGE0 = BK_DN_MID + TOP_K * MID_ROW * 4;
 
 // Barrier 1: the N consumer warps only (the producer never waits on them this way).
@@ -189,6 +191,54 @@ struct BkDnScales {
     }
 };
 
+// mid in shared memory for the math after down's wait. Codecs with a packed-half decode get fp16
+// pairs in their pair order (half the loads and a pair-FMA per two weights, where the wait on
+// gate_up leaves the math on the critical path), row s scaled by 2^-mexp[s] as stage_x scales x,
+// here also upwards so that small rows keep fp16's precision. The others get the fp32 rows.
+// Consumer threads only; a consumer barrier follows.
+__device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, float* ms, int* mexp, int cw, int lane) {
+    if constexpr (BK_DN_H2) {
+        uint4* mh = reinterpret_cast<uint4*>(ms);
+        for (int s = cw; s < TOP_K; s += DW) {
+            const float4* row = reinterpret_cast<const float4*>(mid + (long)s * MID_ROW);
+            unsigned mx = 0;
+            for (int v = lane; v < NV_I; v += 32) {
+#pragma unroll
+                for (int k = 0; k < W_VEC / 4; ++k) {
+                    const float4 f = __ldg(row + (v >> 5) * (W_VEC / 4) * 32 + 32 * k + (v & 31));
+                    mx = max(max(__float_as_uint(fabsf(f.x)), __float_as_uint(fabsf(f.y))), mx);
+                    mx = max(max(__float_as_uint(fabsf(f.z)), __float_as_uint(fabsf(f.w))), mx);
+                }
+            }
+            mx = __reduce_max_sync(MOE_FULL_MASK, mx);
+            // max < 2^(e - 126): scale by 2^-k with k = e - 126 - limit (either sign, bounded).
+            const int k = min(max((int)(mx >> 23) - 126 - X_H2_LOG2_LIMIT, -100), 100);
+            if (lane == 0) mexp[s] = k;
+            const float sc = __uint_as_float((unsigned)(127 - k) << 23);
+            for (int v = lane; v < NV_I; v += 32) {
+                const float4* q = row + (v >> 5) * (W_VEC / 4) * 32 + (v & 31);
+#pragma unroll
+                for (int qd = 0; qd < W_VEC / 8; ++qd) {
+                    const float4 a = __ldg(q + 32 * (2 * qd)), b = __ldg(q + 32 * (2 * qd + 1));
+                    const float f[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+                    unsigned h[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
+                    }
+                    mh[((s * VPL_I + (v >> 5)) * (W_VEC / 8) + qd) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
+                }
+            }
+        }
+    } else {
+        for (int i = 32 * cw + lane; i < TOP_K * MID_ROW / 4; i += DW * 32) {
+            cp_async16(smem_u32(ms + 4 * i), mid + 4 * i, true);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
@@ -231,11 +281,8 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
     if (t < BK_DN_TILES) cur.load(w2_scales, sid, t * DW + cw, lane);
     pdl_wait();  // mid is gate_up's output
     float* ms = reinterpret_cast<float*>(bk_smem + BK_DN_MID);
-    for (int i = threadIdx.x - 32; i < TOP_K * MID_ROW / 4; i += DW * 32) {
-        cp_async16(smem_u32(ms + 4 * i), mid + 4 * i, true);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
+    int* mexp = sid + 2 * TOP_K;
+    bk_stage_mid(mid, ms, mexp, cw, lane);
     consumers_sync<DW>();
     for (int k = 0; t < BK_DN_TILES; ++k) {
         const int tn = t + gridDim.x;
@@ -251,10 +298,19 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
             const int s = f / NV_I;
             const int v = f - s * NV_I;
             if (f < DN_FLAT && sid[s] >= 0) {
-                float w[W_VEC], a[W_VEC];
-                dequant_vec(wq[(s * DW + cw) * NV_I + v], cur.ws[i], w);
-                load_mid<false, true>(ms, s, v, a);
-                acc = fmaf(swt[s] * cur.rs[i], dot(w, a, cur.ws[i]), acc);
+                const uint4 q = wq[(s * DW + cw) * NV_I + v];
+                if constexpr (BK_DN_H2) {
+                    __half2 w[W_VEC / 2], a[W_VEC / 2];
+                    dequant_h2(q, cur.ws[i], w);
+                    load_h2<VPL_I>(reinterpret_cast<const uint4*>(ms), s, v, a);
+                    const float unscale = __uint_as_float((unsigned)(127 + mexp[s]) << 23);
+                    acc = fmaf(swt[s] * cur.rs[i] * unscale, dot_h2(w, a, cur.ws[i]), acc);
+                } else {
+                    float w[W_VEC], a[W_VEC];
+                    dequant_vec(q, cur.ws[i], w);
+                    load_mid<false, true>(ms, s, v, a);
+                    acc = fmaf(swt[s] * cur.rs[i], dot(w, a, cur.ws[i]), acc);
+                }
             }
         }
         __syncwarp();

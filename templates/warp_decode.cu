@@ -152,9 +152,11 @@ __device__ __forceinline__ Routing route_and_stage(const act_t* __restrict__ x, 
     });
 }
 
-// The W_VEC / 2 fp16 pairs of token t's vector v, from the packed-half stage.
-__device__ __forceinline__ void load_xh(const uint4* xh, int t, int v, __half2 (&a)[W_VEC / 2]) {
-    const uint4* p = xh + (t * VPL_H + (v >> 5)) * (W_VEC / 8) * 32 + (v & 31);
+// The W_VEC / 2 fp16 pairs of row r's vector v from a packed-half stage of rows of VPL 32-vector
+// chunks (quad q of vector v = 32 c + l at ((r * VPL + c) * W_VEC / 8 + q) * 32 + l).
+template <int VPL>
+__device__ __forceinline__ void load_h2(const uint4* base, int r, int v, __half2 (&a)[W_VEC / 2]) {
+    const uint4* p = base + (r * VPL + (v >> 5)) * (W_VEC / 8) * 32 + (v & 31);
 #pragma unroll
     for (int q = 0; q < W_VEC / 8; ++q) {
         const uint4 u = p[32 * q];
@@ -291,7 +293,7 @@ __device__ __forceinline__ void gu_accumulate(const uint4& gq, const uint4& uq, 
         for (int j = 0; j < MT; ++j) {
             if (j < nt) {
                 __half2 a[W_VEC / 2];
-                load_xh(xs.h2, tok[j], v, a);
+                load_h2<VPL_H>(xs.h2, tok[j], v, a);
                 ag[j] += dot_h2(g, a, gs);
                 au[j] += dot_h2(w, a, us);
             }

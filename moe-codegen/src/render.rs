@@ -137,6 +137,9 @@ pub struct DecodeTiles {
     /// of the bulk down (its tile: that many rows of w2 per slot); each block adds a producer warp.
     pub bulk_gu_warps: u32,
     pub bulk_dn_warps: u32,
+    /// Whether the bulk down keeps the intermediate as fp16 pairs (scaled per row) and dots them
+    /// with pair-FMAs, for codecs with a packed-half decode; else fp32 rows.
+    pub bulk_dn_h2: bool,
     /// Tiles in the bulk gate_up's ring and in the bulk down's, 1 to 8.
     pub bulk_gu_stages: u32,
     pub bulk_dn_stages: u32,
@@ -177,18 +180,21 @@ impl DecodeTiles {
             dn_stash: 4,
             bulk_gu: false,
             bulk_dn: false,
+            bulk_dn_h2: true,
             bulk_gu_warps: 16,
             bulk_dn_warps: 16,
             bulk_gu_stages: 1,
             bulk_dn_stages: 1,
         };
-        // The bulk kernels where they measured faster (H100, Qwen3, M = 1, sweeps of 2026-11-22):
-        // the bulk down for every quantized format but nvfp4 (int4 14.5 -> 12.8 us, mxfp4 15.5 ->
-        // 14.2, int8 g32 20.8 -> 19.8; nvfp4 14.4 -> 15.1), the bulk gate_up beside it for the
-        // 4-bit ones (int4 asym g32 14.8 -> 13.6, mxfp4 14.2 -> 13.8; 8-bit 19.2 -> 20.6).
-        let nvfp4 = spec.weight_format() == WeightFormat::Nvfp4;
-        t.bulk_dn = vec >= 16 && !nvfp4;
-        t.bulk_gu = vec >= 32 && !nvfp4;
+        // The bulk kernels where they measured faster (H100, Qwen3, M = 1, sweeps of 2026-11-22;
+        // README, "The sixth change"): the bulk down for every quantized format (int4 14.5 ->
+        // 12.8 us, mxfp4 15.5 -> 14.2, int8 g32 20.8 -> 19.8), the bulk gate_up beside it for the
+        // 4-bit ones (int4 asym g32 14.8 -> 13.6, mxfp4 14.2 -> 13.8; 8-bit 19.2 -> 20.6), and
+        // down's fp16 pairs but for symmetric int4 per-channel and g32 (int4 g128 12.9 -> 12.2,
+        // fp8 19.0 -> 18.4; int4 12.8 -> 13.3, int4 g32 12.9 -> 13.4).
+        t.bulk_dn = vec >= 16;
+        t.bulk_gu = vec >= 32;
+        t.bulk_dn_h2 = !matches!(spec.weight_format(), WeightFormat::Int4 | WeightFormat::Int4G32);
         if !t.fit_bulk_stages(spec) {
             (t.bulk_gu, t.bulk_dn) = (false, false);
         }
@@ -269,6 +275,7 @@ struct WarpDecodeCu {
     dn_rows: u32,
     xs_max_bytes: u32,
     dn_stash: u32,
+    bulk_dn_h2: bool,
     bulk_gu_warps: u32,
     bulk_dn_warps: u32,
     bulk_gu_stages: u32,
@@ -378,6 +385,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         dn_rows: tiles.dn_rows,
         xs_max_bytes: if tiles.stage_x { X_STAGE_MAX_BYTES } else { 0 },
         dn_stash: tiles.dn_stash,
+        bulk_dn_h2: tiles.bulk_dn_h2,
         bulk_gu_warps: tiles.bulk_gu_warps,
         bulk_dn_warps: tiles.bulk_dn_warps,
         bulk_gu_stages: tiles.bulk_gu_stages,
@@ -506,8 +514,9 @@ fn bulk_tile_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
 /// Dynamic shared memory of the bulk one-token kernels `(gate_up, down)` (mirrors
 /// `decode_bulk.cuh`): each ring's mbarriers (gate_up: one full barrier per consumer warp and an
 /// empty one per stage; down: one of each per stage), then gate_up's staged token (a 16-byte
-/// slot, then the fp32 layout of `stage_x`) and its stages; down's ids and weights, the
-/// intermediate and its stages.
+/// slot, then the fp32 layout of `stage_x`) and its stages; down's ids, weights and the
+/// intermediate's exponents, the intermediate (fp32 rows, or fp16 pairs in half of them) and its
+/// stages.
 pub fn bulk_smem_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
     let vec = spec.weight_format().elems_per_16b();
     let xs_token = (spec.hidden() / vec).div_ceil(32) * vec * 32 * 4;
@@ -516,7 +525,7 @@ pub fn bulk_smem_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
     let (gs, ds) = (tiles.bulk_gu_stages, tiles.bulk_dn_stages);
     let gu = bars(gs, tiles.bulk_gu_warps) + (16 + xs_token).next_multiple_of(128) + gs * gu_tile;
     let mid = decode_mid_floats(spec, 1) as u32 * 4;
-    let dn = bars(ds, 1) + (8 * spec.top_k()).next_multiple_of(128) + mid + ds * dn_tile;
+    let dn = bars(ds, 1) + (12 * spec.top_k()).next_multiple_of(128) + mid + ds * dn_tile;
     (gu, dn)
 }
 
@@ -809,14 +818,19 @@ mod tests {
         assert!(render_warp_decode(&s4, Arch::Sm90a, t4).unwrap().source.contains("MT == 1 ? 32 : 16;"));
         let e = render_warp_decode(&s4, Arch::Sm90a, DecodeTiles { gu_lanes: 8, ..t4 }).unwrap_err();
         assert!(e.to_string().contains("8 lanes per gate_up row"), "{e}");
-        // The bulk kernels: both for 4-bit (not nvfp4), down alone for 8-bit, neither for 16-bit.
+        // The bulk kernels: both for 4-bit, down alone for 8-bit, neither for 16-bit.
         let on = |f: WeightFormat| {
             let t = DecodeTiles::for_spec(&qwen(f));
             (t.bulk_gu, t.bulk_dn)
         };
         assert_eq!(on(WeightFormat::Int4G128), (true, true));
         assert_eq!(on(WeightFormat::Fp8E4m3), (false, true));
-        assert_eq!((on(WeightFormat::Nvfp4), on(WeightFormat::Bf16)), ((false, false), (false, false)));
+        assert_eq!((on(WeightFormat::Nvfp4), on(WeightFormat::Bf16)), ((true, true), (false, false)));
+        assert!(t4.bulk_dn_h2 && !DecodeTiles::for_spec(&qwen(WeightFormat::Int4G32)).bulk_dn_h2);
+        let h2 = |t: DecodeTiles| render_warp_decode(&s4, Arch::Sm90a, t).unwrap().source;
+        assert!(
+            h2(t4).contains("W_H2 && true;") && h2(DecodeTiles { bulk_dn_h2: false, ..t4 }).contains("W_H2 && false;")
+        );
         // Int4 g128: 3 gate_up stages of 16 gate and up rows (32 KiB) after 512 bytes of barriers
         // and the 8 KiB token; one down stage of 16 rows per slot (48 KiB) after the 32 KiB
         // intermediate. One 8-bit down stage (96 KiB) is past the budget but allowed.

@@ -135,6 +135,7 @@ fn bulk_one_token_matches_reference() {
         cases.push((spec, bulk));
         if matches!(format, Fp8E4m3 | Int8G64 | Int4G128 | Nvfp4) {
             cases.push((spec, DecodeTiles { bulk_gu_stages: 2, bulk_dn_stages: 2, ..bulk }));
+            cases.push((spec, DecodeTiles { bulk_dn_h2: !bulk.bulk_dn_h2, ..bulk }));
         }
         // Each bulk kernel beside the other's register-fed one.
         cases.push((spec, DecodeTiles { bulk_gu: !d.bulk_gu, bulk_dn: d.bulk_gu, ..d }));
