@@ -99,9 +99,26 @@ struct BkGuScales {
     }
 };
 
+// Puts this block's share of the step's w2 (1 / gridDim.x of each slot's expert) in flight to L2
+// once its first gate_up tiles are: gate_up leaves DRAM half idle, and down's blocks, which do not
+// fit beside gate_up's (registers), then find their w2 in L2. Lane s takes slot s.
+__device__ __forceinline__ void bk_prefetch_w2(const int* __restrict__ ids, const uint4* __restrict__ w2, int lane) {
+    constexpr long SLOT = (long)HIDDEN * BK_ROW2;  // bytes of one expert's w2
+    const long chunk = (SLOT / gridDim.x + 15) / 16 * 16;
+    for (int s = lane; s < TOP_K; s += 32) {
+        const int e = __ldg(ids + s);
+        const long lo = blockIdx.x * chunk;
+        if (e < 0 || e >= EXPERTS || lo >= SLOT) continue;
+        const char* p = reinterpret_cast<const char*>(w2) + e * SLOT + lo;
+        const int bytes = (int)min(chunk, SLOT - lo);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
+    const void* __restrict__ w13_scales, const uint4* __restrict__ w2, float* __restrict__ mid, int m,
+    int* __restrict__ err) {
     extern __shared__ __align__(128) char bk_smem[];
     const GuRing ring{ smem_u32(bk_smem) };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -135,7 +152,9 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
                 bulk_load(dst + GW * BK_ROW13, w + (row + INTER) * BK_ROW13, BK_ROW13, ring.full(st, lane), policy);
             }
             ++k;
+            if (k == BK_GU_STAGES) bk_prefetch_w2(topk_ids, w2, lane);
         }
+        if (k < BK_GU_STAGES) bk_prefetch_w2(topk_ids, w2, lane);
         return;
     }
     const int cw = warp - 1;

@@ -592,13 +592,15 @@ impl MoeLayer {
             // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
             // touches memory its predecessor may use, so only launch latency overlaps.
             // Staged activations can take more shared memory than the load-time sizing assumed.
-            // The bulk kernels: one block per SM (a producer warp and the consumers), so that the
-            // bulk down's blocks are resident beside gate_up's and stream w2 meanwhile.
+            // The bulk kernels: one block per SM (a producer warp and the consumers). The bulk
+            // gate_up also takes w2, which it prefetches into L2 for down.
             let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
             match (m, &self.bulk_gate_up) {
                 (1, Some(b)) => {
                     let tiles = pairs * self.spec.intermediate() as u64 / (b.threads / 32 - 1) as u64;
-                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut gu)?;
+                    let mut w2p = w2;
+                    let mut args = [gu[0], gu[1], gu[2], gu[3], as_arg(&mut w2p), gu[4], gu[5], gu[6]];
+                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut args)?;
                 }
                 _ => {
                     let per_sm =
