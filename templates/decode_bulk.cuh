@@ -240,12 +240,7 @@ __device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, floa
                 for (int qd = 0; qd < W_VEC / 8; ++qd) {
                     const float4 a = __ldg(q + 32 * (2 * qd)), b = __ldg(q + 32 * (2 * qd + 1));
                     const float f[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-                    unsigned h[4];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
-                    }
-                    mh[((s * VPL_I + (v >> 5)) * (W_VEC / 8) + qd) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
+                    mh[((s * VPL_I + (v >> 5)) * (W_VEC / 8) + qd) * 32 + (v & 31)] = h2_quad(f, sc);
                 }
             }
         }

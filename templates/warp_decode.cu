@@ -87,6 +87,15 @@ __device__ __forceinline__ XStage x_views(int m, float4* xs) {
     return XStage{ xs, nullptr, nullptr };
 }
 
+// Eight consecutive values (elements 8q..8q+7 of a vector), times sc, as the codec's four fp16
+// pairs of that quad.
+__device__ __forceinline__ uint4 h2_quad(const float (&f)[8], float sc) {
+    unsigned h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
+    return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // Stages the step's activations with the block's warps from w0 on, without a barrier: gate_up's
 // warps run it while the first warp builds the routing tables, whose final barrier orders it.
 __device__ __noinline__ void stage_x(const act_t* __restrict__ x, int m, float4* xs, int w0) {
@@ -118,12 +127,7 @@ __device__ __noinline__ void stage_x(const act_t* __restrict__ x, int m, float4*
                 const int q = (e0 - v * W_VEC) / 8;
                 float f[8];
                 widen8(__ldg(xt + i), (const act_t*)nullptr, f);
-                unsigned h[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    h[j] = h2_as_u32(__floats2half2_rn(f[h2_elem(j, 0)] * sc, f[h2_elem(j, 1)] * sc));
-                }
-                xh[((t * VPL_H + (v >> 5)) * (W_VEC / 8) + q) * 32 + (v & 31)] = make_uint4(h[0], h[1], h[2], h[3]);
+                xh[((t * VPL_H + (v >> 5)) * (W_VEC / 8) + q) * 32 + (v & 31)] = h2_quad(f, sc);
             }
         }
     } else {
