@@ -81,7 +81,8 @@ fn main() {
     } else {
         vec![KernelFamily::GroupedGemm]
     };
-    // `--tiles 128,128,4,1/256,128,4,1`: bn1,bn2,stages,blocks_per_sm sets to sweep (default: the spec's).
+    // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster]] sets to sweep
+    // (default: the spec's).
     let tile_sets: Vec<String> = args
         .iter()
         .position(|a| a == "--tiles")
@@ -122,8 +123,11 @@ fn main() {
                     println!("{geo} {format} tiles {tiles:?}: {err}");
                     continue;
                 }
-                let tname =
-                    format!("{}x{}x{}s{}b{}", tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm);
+                let cluster = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
+                let tname = format!(
+                    "{}x{}x{}s{}b{}{cluster}",
+                    tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm
+                );
                 for (&m, &family) in ms.iter().flat_map(|m| families.iter().map(move |f| (m, f))) {
                     layer.set_prefill_threshold(if family == KernelFamily::GroupedGemm { 1 } else { usize::MAX });
                     for (routing, skew) in [("uniform", 0.0), ("skewed", 0.85)] {

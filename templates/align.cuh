@@ -1,6 +1,6 @@
 // Alignment: the (token, slot) pairs `p = t * TOP_K + s` regrouped by expert into tiles of BM
-// rows, each expert's rows padded to a whole tile. Three kernels, no host synchronisation; the
-// host sizes every buffer from upper bounds (max_tiles(pairs)).
+// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh). Three
+// kernels, no host synchronisation; the host sizes every buffer from upper bounds (max_tiles).
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
@@ -36,7 +36,7 @@ moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restri
     __shared__ int warp_total[ALIGN_THREADS / 32];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int count = tid < EXPERTS ? counts[tid] : 0;
-    const int tiles = (count + BM - 1) / BM;
+    const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
     int incl = tiles;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {

@@ -6,6 +6,11 @@
 // consumer warps, once their MMAs have read it) replace the block barrier per k-tile, and the
 // producer runs ahead across tiles, so a tile's epilogue overlaps the next tile's loads.
 // Named barrier 1 syncs the producer warpgroup.
+// Clusters (CLUSTER = 2): the two blocks take the two row tiles of one cluster tile (same expert,
+// same column block) and each TMA-multicasts half of the weight k-tile into both blocks' stages,
+// so a weight tile leaves L2 once per two row tiles. A stage is refilled only when both blocks'
+// consumers released it (they arrive on both `empty` barriers), and rank 0 takes each work item
+// from the counter and hands it to both producers (item_full / item_free mbarriers).
 // Stages use the layout of gemm_tile.cuh: 128 bytes of K per row, 128-byte swizzle (what TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes, on 1024-byte aligned stages).
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
@@ -29,6 +34,51 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap& map, int
         "l"(reinterpret_cast<unsigned long long>(&map)), "r"(k), "r"(row), "r"(bar)
         : "memory");
 }
+// The same box multicast to the blocks of `mask`: each receives it at dst and completes it on its
+// own barrier at offset `bar`.
+__device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const TmaMap& map, int k, int row, unsigned bar,
+                                               unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, { %2, "
+        "%3 }], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(k), "r"(row), "r"(bar), "h"(mask)
+        : "memory");
+}
+// TMA the box, to this block only or (CLUSTER > 1) to every block of the cluster.
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, int k, int row, unsigned bar) {
+    if (CLUSTER > 1) tma_load_2d_mc(dst, map, k, row, bar, (1u << CLUSTER) - 1);
+    else tma_load_2d(dst, map, k, row, bar);
+}
+__device__ __forceinline__ int cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// A shared::cta address of this block -> the same offset in block `rank` of the cluster.
+__device__ __forceinline__ unsigned cluster_addr(unsigned a, int rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned cluster_bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void st_cluster(unsigned cluster_addr, int v) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(cluster_addr), "r"(v) : "memory");
+}
+// Every thread of every block of the cluster (barriers initialised; no block exits while the
+// other may still write its shared memory or arrive on its barriers).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
@@ -38,47 +88,81 @@ __device__ __forceinline__ void set_max_regs_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
-// The tiles of `work` items, each a BM x BN tile over KT k-tiles, taken in order from a global
-// counter (zero before launch) by whichever block is free: blocks that share a weight tile
-// (consecutive items, see work_item) then stream it at the same time, so it comes from DRAM
-// once; a static split drifts apart over the waves and re-reads it.
+// The tiles of `work` items (cluster tiles), each a BM x BN tile per block over KT k-tiles, taken
+// in order from a global counter (zero before launch) by whichever cluster is free: blocks that
+// share a weight tile (consecutive items, see work_item) then stream it at the same time, so it
+// comes from DRAM once; a static split drifts apart over the waves and re-reads it.
+//   item(w, rank)              the work item's row tile for this block, column block, expert
 //   a_row(item, r)             global address of row r of A (K-major), null for a padding row
-//   b_load(item, kt, dst, bar) one thread: TMA the item's B k-tile (BN x 128 bytes) to dst
+//   a_any                      any readable address (the source of zero-filled padding rows)
+//   b_load(item, kt, dst, bar, rank)  one thread: TMA this block's share of the item's B k-tile
+//                              (BN x 128 bytes; with clusters multicast, see tma_load_tile)
 //   promote(item, kt, part, acc, row0)  FP8: fold the k-tile's partial sums into acc
 //   epilogue(item, acc, row0)  consumer: the accumulator, rows row0 + lane / 4 (+ 8) of the tile
 // A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
-// padding rows close a tile) keeps the barrier protocol but skips its MMAs and its epilogue.
+// padding rows close a tile; with clusters, also a whole padding tile) keeps the barrier
+// protocol but skips its MMAs and its epilogue.
 // Consumer accumulators are the wgmma m64nBN layout: fragment nf, element i holds row
 // row0 + lane / 4 + 8 (i / 2) and column 8 nf + 2 (lane % 4) + i % 2.
-// Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers, the item
-// of each stage (-1: no more work) and the producer's two item slots.
+// Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers,
+// item_full[2] and item_free[2] mbarriers, the item of each stage (-1: no more work) and the
+// producer's two item slots.
 template <int BN, int KT, class Item, class ARow, class BLoad, class Promote, class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, const int* __restrict__ sorted_rows,
-                                        Item item, ARow a_row, BLoad b_load, Promote promote, Epilogue epilogue) {
+                                        Item item, ARow a_row, const char* a_any, BLoad b_load, Promote promote,
+                                        Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
     auto full = [&](int st) { return bars + 8 * st; };
     auto empty = [&](int st) { return bars + 8 * (STAGES + st); };
-    volatile int* stage_item = reinterpret_cast<volatile int*>(smem_raw + (bars + 16 * STAGES - smem_u32(smem_raw)));
+    auto item_full = [&](int slot) { return bars + 16 * STAGES + 8 * slot; };
+    auto item_free = [&](int slot) { return bars + 16 * STAGES + 16 + 8 * slot; };
+    volatile int* stage_item = reinterpret_cast<volatile int*>(smem_raw + (bars + 16 * STAGES + 32 - smem_u32(smem_raw)));
     volatile int* next_item = stage_item + STAGES;
+    const int rank = CLUSTER > 1 ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(full(st), 128 + 1);
-            mbar_init(empty(st), 8);
+            mbar_init(empty(st), 8 * CLUSTER);
+        }
+        for (int slot = 0; slot < 2; ++slot) {
+            mbar_init(item_full(slot), 1);
+            mbar_init(item_free(slot), CLUSTER);
         }
         mbar_init_fence();
     }
-    __syncthreads();
+    if (CLUSTER > 1) cluster_sync();
+    else __syncthreads();
     if (threadIdx.x < 128) {
         set_max_regs_dec<PRODUCER_REGS>();
         const int t = threadIdx.x, c = t % 8;
         int s = 0;  // k-tiles produced so far: stage s % STAGES, its use number s / STAGES
         for (int i = 0;; ++i) {
             // Two slots: thread 0 refills one while the others may still read the other.
-            if (t == 0) next_item[i & 1] = atomicAdd(work_counter, 1);
+            const int slot = i & 1;
+            const unsigned slot_addr = smem_u32(const_cast<int*>(next_item + slot));
+            if (t == 0) {
+                if (CLUSTER == 1) {
+                    next_item[slot] = atomicAdd(work_counter, 1);
+                } else {
+                    // Rank 0 takes the item for the cluster once both producers have read the
+                    // slot's previous one, and hands it to each.
+                    if (rank == 0) {
+                        if (i >= 2) mbar_wait_cluster(item_free(slot), ((i >> 1) - 1) & 1);
+                        const int w = atomicAdd(work_counter, 1);
+                        for (int r = 0; r < CLUSTER; ++r) {
+                            st_cluster(cluster_addr(slot_addr, r), w);
+                            mbar_arrive_cluster(cluster_addr(item_full(slot), r));
+                        }
+                    }
+                    mbar_wait_cluster(item_full(slot), (i >> 1) & 1);
+                }
+            }
             asm volatile("bar.sync 1, 128;" ::: "memory");
-            const int w = next_item[i & 1];
+            const int w = next_item[slot];
+            // Every producer thread has read the previous slot (it passed this barrier since).
+            if (CLUSTER > 1 && t == 0 && i > 0) mbar_arrive_cluster(cluster_addr(item_free(slot ^ 1), 0));
             if (w >= work) {  // tell the consumers: a stage with no data and item -1
                 const int st = s % STAGES;
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
@@ -89,11 +173,10 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 mbar_arrive(full(st));
                 break;
             }
-            const auto it = item(w);
+            const auto it = item(w, rank);
             const char* rows[S::A_ROWS];
 #pragma unroll
             for (int j = 0; j < S::A_ROWS; ++j) rows[j] = a_row(it, t / 8 + 16 * j);
-            const char* any = rows[0] ? rows[0] : a_row(it, 0);  // row 0 of a tile is never padding
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
@@ -101,12 +184,12 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 const unsigned sa = base + st * S::STAGE_BYTES;
                 if (t == 0) {
                     stage_item[st] = w;
-                    mbar_arrive_expect_tx(full(st), S::B_BYTES);
-                    b_load(it, kt, sa + S::A_BYTES, full(st));
+                    mbar_arrive_expect_tx(full(st), S::B_BYTES);  // both blocks' shares land here
+                    b_load(it, kt, sa + S::A_BYTES, full(st), rank);
                 }
 #pragma unroll
                 for (int j = 0; j < S::A_ROWS; ++j)
-                    cp_async16(sa + swz(t / 8 + 16 * j, c), (rows[j] ? rows[j] : any) + kt * BK_BYTES + c * 16,
+                    cp_async16(sa + swz(t / 8 + 16 * j, c), (rows[j] ? rows[j] + kt * BK_BYTES : a_any) + c * 16,
                                rows[j] != nullptr);
                 cp_async_arrive_noinc(full(st));
             }
@@ -117,16 +200,23 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7
         const int row0 = (cw / 4) * 64 + (cw % 4) * 16;
         const unsigned a_off = (cw / 4) * 64 * BK_BYTES;
+        // The stage may be refilled once every block's consumers are done with it (the blocks of
+        // a cluster write each other's stages).
         auto release = [&](int st) {
             __syncwarp();
-            if (threadIdx.x % 32 == 0) mbar_arrive(empty(st));
+            if (threadIdx.x % 32 == 0) {
+                if (CLUSTER == 1) mbar_arrive(empty(st));
+                else
+#pragma unroll
+                    for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(cluster_addr(empty(st), r));
+            }
         };
         int s = 0;
         for (;;) {
             mbar_wait(full(s % STAGES), (s / STAGES) & 1);
             const int w = stage_item[s % STAGES];
             if (w < 0) break;
-            const auto it = item(w);
+            const auto it = item(w, rank);
             if (sorted_rows[it.tile * BM + row0 - row0 % 64] < 0) {
 #pragma unroll 1
                 for (int kt = 0; kt < KT; ++kt, ++s) {
@@ -170,4 +260,5 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             epilogue(it, acc, row0);
         }
     }
+    if (CLUSTER > 1) cluster_sync();
 }

@@ -30,7 +30,8 @@ constexpr int NT1 = INTER / (BN1 / 2);
 constexpr int NT2 = HIDDEN / BN2;
 constexpr int ELEMWISE_THREADS = 256;
 constexpr int GEMM_THREADS = MOE_WS ? 384 : 256;
-constexpr int GROUP_TILES = {{ group_tiles }};  // row tiles of an expert side by side (work_item)
+constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles share the weight tile (gemm_ws.cuh)
+constexpr int GROUP_TILES = {{ group_tiles }};  // cluster tiles of an expert side by side (work_item)
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
@@ -78,21 +79,24 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
     quant_rows<INTER>(mid, 0, num_tiles, q, s);
 }
 
-// Work item w of a GEMM with nt column blocks -> its row tile, column block and expert. An
-// expert's items run column-block-major over groups of up to GROUP_TILES of its row tiles, so the
-// blocks of a wave share each weight tile (and each row tile) through L2 rather than streaming
-// the expert's weights once per row tile. tile_span[tile] = (first tile, tiles) of its expert.
+// Work item w of a GEMM with nt column blocks -> the row tile of cluster rank `rank`, its column
+// block and expert. Items count cluster tiles (CLUSTER consecutive row tiles; align pads each
+// expert to whole ones). An expert's items run column-block-major over groups of up to
+// GROUP_TILES of its cluster tiles, so the blocks of a wave share each weight tile (and each row
+// tile) through L2 rather than streaming the expert's weights once per row tile.
+// tile_span[tile] = (first tile, tiles) of its expert.
 struct Work {
     int tile, nblk, e;
 };
 __device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict__ tile_span,
-                                          const int* __restrict__ tile_expert) {
-    const int2 sp = tile_span[w / nt];
-    const int l = w - sp.x * nt;
+                                          const int* __restrict__ tile_expert, int rank = 0) {
+    const int2 sp = tile_span[w / nt * CLUSTER];
+    const int first = sp.x / CLUSTER, n = sp.y / CLUSTER;
+    const int l = w - first * nt;
     const int g = l / (GROUP_TILES * nt);
-    const int gs = min(GROUP_TILES, sp.y - g * GROUP_TILES);
+    const int gs = min(GROUP_TILES, n - g * GROUP_TILES);
     const int r = l - g * GROUP_TILES * nt;
-    const int tile = sp.x + g * GROUP_TILES + r % gs;
+    const int tile = (first + g * GROUP_TILES + r % gs) * CLUSTER + rank;
     return Work{tile, r / gs, tile_expert[tile]};
 }
 
@@ -141,15 +145,18 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
           int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using S = WsShape<BN1>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w) { return work_item(w, NT1, tile_span, tile_expert); };
+    auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, tile_expert, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int p = sorted_rows[it.tile * BM + r];
         return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
     };
-    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
+    // Two boxes, the gate rows then the up rows; in a cluster of two, each block loads one.
+    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
         const int row = it.e * 2 * INTER + it.nblk * (BN1 / 2);
-        tma_load_2d(dst, b_map, kt * (BK_BYTES / ELEM_BYTES), row, bar);
-        tma_load_2d(dst + BN1 / 2 * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + INTER, bar);
+        static_assert(2 % CLUSTER == 0, "the two boxes split evenly over the cluster");
+#pragma unroll
+        for (int b = rank; b < 2; b += CLUSTER)
+            tma_load_tile(dst + b * (BN1 / 2) * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + b * INTER, bar);
     };
     auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
         float sa[2];
@@ -174,7 +181,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 store_mid(mid, it.tile * BM + row0 + lane / 4 + 8 * h, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e,
                           acc + q * 4 + 2 * h, acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
     };
-    ws_gemm<BN1, KT1>(smem, *num_tiles * NT1, work_counter, sorted_rows, item, a_row, b_load, promote, epilogue);
+    ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
+                      promote, epilogue);
 }
 
 template <bool ATOMIC>
@@ -185,14 +193,17 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w) { return work_item(w, NT2, tile_span, tile_expert); };
+    auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, tile_expert, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int pos = it.tile * BM + r;
         return sorted_rows[pos] < 0 ? nullptr : (const char*)a + (long)pos * INTER * ELEM_BYTES;
     };
-    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
-        tma_load_2d(dst, b_map, kt * (BK_BYTES / ELEM_BYTES), it.e * HIDDEN + it.nblk * BN2, bar);
+    // The map's boxes are BN2 / CLUSTER rows: each block of a cluster loads its share.
+    auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
+        constexpr int ROWS = BN2 / CLUSTER;
+        tma_load_tile(dst + rank * ROWS * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES),
+                      it.e * HIDDEN + it.nblk * BN2 + rank * ROWS, bar);
     };
     auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
         const float b = WSCALE == 2 ? w2_scales[((long)it.e * HIDDEN + it.nblk * BN2) / 128 * KT2 + kt] : 1.f;
@@ -243,7 +254,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2>(smem, *num_tiles * NT2, work_counter, sorted_rows, item, a_row, b_load, promote, epilogue);
+    ws_gemm<BN2, KT2>(smem, *num_tiles / CLUSTER * NT2, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
+                      promote, epilogue);
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile

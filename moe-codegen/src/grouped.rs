@@ -34,6 +34,10 @@ pub struct GemmTiles {
     /// feeds two consumer warpgroups through mbarriers, persistently across tiles. Otherwise
     /// every thread loads and computes, with a block barrier per k-tile.
     pub warp_specialized: bool,
+    /// Blocks per cluster (warp-specialised only): 2 pairs row tiles of one expert, and each
+    /// block multicasts half of the shared weight tile to both (TMA), so every weight byte
+    /// leaves L2 once per pair of row tiles. Each expert's rows then pad to `bm * cluster`.
+    pub cluster: u32,
 }
 
 /// Threads per block of the router (one warp per token).
@@ -68,6 +72,7 @@ impl GemmTiles {
                 blocks_per_sm: 1,
                 mma,
                 warp_specialized: true,
+                cluster: 2,
             };
         }
         if mma == Mma::Wgmma {
@@ -80,6 +85,7 @@ impl GemmTiles {
                 blocks_per_sm: 1,
                 mma,
                 warp_specialized: true,
+                cluster: 2,
             };
         }
         GemmTiles {
@@ -92,26 +98,29 @@ impl GemmTiles {
             blocks_per_sm: 1,
             mma,
             warp_specialized: false,
+            cluster: 1,
         }
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws]` (e.g. `128,128,4,1` or `256,256,4,1,0`) over
-    /// these defaults; `ws` is 1 for the warp-specialised pipeline, 0 for the block-barrier one.
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster]]` (e.g. `128,128,4,1`, `256,256,4,1,0`
+    /// or `256,256,4,1,1,1`) over these defaults; `ws` is 1 for the warp-specialised pipeline, 0
+    /// for the block-barrier one (which implies cluster 1).
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
         let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
-        let (bn1, bn2, stages, blocks_per_sm, ws) = match v[..] {
-            [a, b, c, d] => (a, b, c, d, self.warp_specialized),
-            [a, b, c, d, w @ (0 | 1)] => (a, b, c, d, w == 1),
+        let (bn1, bn2, stages, blocks_per_sm, ws, cluster) = match v[..] {
+            [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster),
+            [a, b, c, d, w @ (0 | 1)] => (a, b, c, d, w == 1, if w == 1 { self.cluster.max(1) } else { 1 }),
+            [a, b, c, d, w @ (0 | 1), cl] => (a, b, c, d, w == 1, cl),
             _ => return None,
         };
-        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, ..self })
+        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, ..self })
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages, 1 KiB of alignment
-    /// slack and (warp-specialised) a full and an empty mbarrier and an item slot per stage, and
-    /// the producer's two item slots.
+    /// slack and (warp-specialised) a full and an empty mbarrier and an item slot per stage, the
+    /// producer's two item slots and their two pairs of mbarriers (the cluster's hand-over).
     pub fn smem_bytes(&self, bn: u32) -> u32 {
-        let barriers = if self.warp_specialized { 20 * self.stages + 8 } else { 0 };
+        let barriers = if self.warp_specialized { 20 * self.stages + 8 + 32 } else { 0 };
         self.stages * (self.bm + bn) * BK_BYTES + 1024 + barriers
     }
 
@@ -125,10 +134,11 @@ impl GemmTiles {
         }
     }
 
-    /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to whole tiles,
-    /// so at most `pairs / bm` full ones plus one partial per non-empty expert.
+    /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to whole
+    /// clusters of tiles, so at most `pairs / bm` full ones plus `cluster` per non-empty expert.
     pub fn max_tiles(&self, pairs: usize, experts: u32) -> usize {
-        pairs.min(pairs / self.bm as usize + pairs.min(experts as usize))
+        let cl = self.cluster as usize;
+        (cl * pairs).min(pairs / self.bm as usize + cl * pairs.min(experts as usize))
     }
 }
 
@@ -187,6 +197,7 @@ struct GroupedGemmCu {
     bn2: u32,
     stages: u32,
     blocks_per_sm: u32,
+    cluster: u32,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -206,6 +217,12 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     }
     if tiles.warp_specialized && (tiles.mma != Mma::Wgmma || tiles.blocks_per_sm != 1) {
         return Err(unsupported("the warp-specialised pipeline without wgmma or with 2 blocks per SM".into()));
+    }
+    if !matches!(tiles.cluster, 1 | 2) || (tiles.cluster > 1 && !tiles.warp_specialized) {
+        return Err(unsupported(format!(
+            "clusters of {} blocks (1, or 2 with the warp-specialised pipeline)",
+            tiles.cluster
+        )));
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
     let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
@@ -252,8 +269,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     };
     let t = tiles;
     let ws = if t.warp_specialized { "_ws" } else { "" };
+    let cl = if t.cluster > 1 { format!("c{}", t.cluster) } else { String::new() };
     let name = format!(
-        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}",
+        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}",
         spec.id(),
         t.bm,
         t.bn1,
@@ -277,6 +295,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         bn2: tiles.bn2,
         stages: tiles.stages,
         blocks_per_sm: tiles.blocks_per_sm,
+        cluster: tiles.cluster,
         elem_bytes,
         wscale,
         mma_type,
@@ -388,19 +407,44 @@ mod tests {
         assert!(ws.warp_specialized && ws.gemm_threads() == 384);
         let k = render_grouped(&s, Arch::Sm90a, ws).unwrap();
         assert!(k.source.contains("#define MOE_WS 1") && k.source.contains("cp.async.bulk.tensor.2d"));
-        assert!(k.name.ends_with("_ws"));
+        assert!(k.name.contains("_ws"));
         let plain = ws.parse("256,256,4,1,0").unwrap();
         assert!(!plain.warp_specialized && plain.gemm_threads() == 256);
         let k = render_grouped(&s, Arch::Sm90a, plain).unwrap();
         assert!(k.source.contains("#define MOE_WS 0") && !k.source.contains("cp.async.bulk.tensor"));
         assert_eq!(ws.parse("256,256,4,1"), Some(ws));
         assert_eq!(ws.parse("256,256,4,1,2"), None);
+        assert_eq!(plain.cluster, 1, "the block-barrier pipeline has no clusters");
+        assert_eq!(ws.parse("256,256,4,1,1,1").map(|t| t.cluster), Some(1));
         let on_120 = GemmTiles { warp_specialized: true, ..GemmTiles::for_spec(&s, Arch::Sm120a) };
         assert!(render_grouped(&s, Arch::Sm120a, on_120).is_err());
         let two_blocks = GemmTiles { blocks_per_sm: 2, ..ws };
         assert!(render_grouped(&s, Arch::Sm90a, two_blocks).is_err());
         // The barriers and item slots sit past the stages.
-        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 20 * 4 + 8);
+        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 20 * 4 + 8 + 32);
+    }
+
+    #[test]
+    fn clusters_multicast_the_weight_tile_on_the_warp_specialised_pipeline_only() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let ws = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert_eq!(ws.cluster, 2);
+        let k = render_grouped(&s, Arch::Sm90a, ws).unwrap();
+        assert!(k.source.contains("constexpr int CLUSTER = 2;") && k.source.contains(".multicast::cluster"));
+        assert!(k.name.ends_with("_wsc2"), "{}", k.name);
+        let single = GemmTiles { cluster: 1, ..ws };
+        let k1 = render_grouped(&s, Arch::Sm90a, single).unwrap();
+        assert!(k1.source.contains("constexpr int CLUSTER = 1;") && k1.name != k.name);
+        for bad in [
+            GemmTiles { cluster: 3, ..ws },
+            GemmTiles { cluster: 0, ..ws },
+            GemmTiles { cluster: 2, ..ws.parse("256,256,4,1,0").unwrap() },
+        ] {
+            assert!(matches!(render_grouped(&s, Arch::Sm90a, bad), Err(CodegenError::Unsupported { .. })), "{bad:?}");
+        }
+        assert!(
+            GemmTiles::for_spec(&s, Arch::Sm100a).cluster == 1 && GemmTiles::for_spec(&s, Arch::Sm120a).cluster == 1
+        );
     }
 
     #[test]
@@ -417,11 +461,16 @@ mod tests {
     #[test]
     fn max_tiles_bounds_every_histogram() {
         let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, WeightFormat::Bf16), Arch::Sm90a);
-        for pairs in [1usize, 8, 127, 128, 129, 1000, 32768] {
-            // Worst case: one pair on each of min(E, pairs) - 1 experts, the rest on one.
-            let e = 128usize.min(pairs);
-            let worst = (e - 1) + (pairs - (e - 1)).div_ceil(128);
-            assert!(t.max_tiles(pairs, 128) >= worst, "pairs {pairs}");
+        for cluster in [1u32, 2] {
+            let t = GemmTiles { cluster, ..t };
+            let cl = cluster as usize;
+            let tiles = |c: usize| c.div_ceil(128 * cl) * cl;
+            for pairs in [1usize, 8, 127, 128, 129, 255, 257, 1000, 32768] {
+                // Worst case: one pair on each of min(E, pairs) - 1 experts, the rest on one.
+                let e = 128usize.min(pairs);
+                let worst = (e - 1) * tiles(1) + tiles(pairs - (e - 1));
+                assert!(t.max_tiles(pairs, 128) >= worst, "cluster {cluster} pairs {pairs}");
+            }
         }
     }
 }

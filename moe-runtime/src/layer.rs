@@ -122,10 +122,76 @@ pub(crate) unsafe fn launch(
     pdl: bool,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let cfg = sys::CUlaunchConfig {
+    let mut attrs = launch_attrs(pdl, 1);
+    let cfg = launch_config(stream, grid, block, smem, &mut attrs);
+    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
+    Ok(())
+}
+
+/// `launch` in clusters of `cluster` blocks along x (`grid` a multiple of it).
+pub(crate) unsafe fn launch_clustered(
+    f: &CudaFunction,
+    stream: &CudaStream,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    cluster: u32,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    debug_assert!(grid % cluster == 0);
+    let mut attrs = launch_attrs(false, cluster);
+    let cfg = launch_config(stream, grid, block, smem, &mut attrs);
+    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
+    Ok(())
+}
+
+/// Clusters of `cluster` blocks of `f` that fit on the device at once.
+pub(crate) fn max_active_clusters(
+    f: &CudaFunction,
+    stream: &CudaStream,
+    block: u32,
+    smem: u32,
+    cluster: u32,
+) -> Result<u32> {
+    let mut attrs = launch_attrs(false, cluster);
+    let cfg = launch_config(stream, cluster, block, smem, &mut attrs);
+    let mut n = 0i32;
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg).result()? };
+    Ok(n.max(0) as u32)
+}
+
+/// The launch attributes in use: programmatic serialisation if `pdl`, cluster dimensions if
+/// `cluster > 1` (an unused attribute stays past `numAttrs`).
+fn launch_attrs(pdl: bool, cluster: u32) -> LaunchAttrs {
+    let mut attrs = LaunchAttrs { a: unsafe { std::mem::zeroed() }, n: 0 };
+    if pdl {
+        let a = &mut attrs.a[attrs.n];
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        a.value.programmaticStreamSerializationAllowed = 1;
+        attrs.n += 1;
+    }
+    if cluster > 1 {
+        let a = &mut attrs.a[attrs.n];
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+        attrs.n += 1;
+    }
+    attrs
+}
+
+struct LaunchAttrs {
+    a: [sys::CUlaunchAttribute; 2],
+    n: usize,
+}
+
+fn launch_config(
+    stream: &CudaStream,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    attrs: &mut LaunchAttrs,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: grid,
         gridDimY: 1,
         gridDimZ: 1,
@@ -134,11 +200,9 @@ pub(crate) unsafe fn launch(
         blockDimZ: 1,
         sharedMemBytes: smem,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: pdl as u32,
-    };
-    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
-    Ok(())
+        attrs: attrs.a.as_mut_ptr(),
+        numAttrs: attrs.n as u32,
+    }
 }
 
 pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {

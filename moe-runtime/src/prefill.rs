@@ -6,7 +6,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
-use crate::layer::{launch, ptr};
+use crate::layer::{launch, launch_clustered, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
@@ -131,6 +131,17 @@ impl GroupedPath {
                 });
             }
             g.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+            if tiles.cluster > 1 {
+                // Clusters must fit within a GPC, which may leave an SM idle.
+                let n = max_active_clusters(g, device.stream(), tiles.gemm_threads(), smem, tiles.cluster)?;
+                if n == 0 {
+                    return Err(RuntimeError::FamilyUnavailable {
+                        family: moe_codegen::KernelFamily::GroupedGemm,
+                        why: format!("no cluster of {} blocks with tiles {tiles:?} fits the device", tiles.cluster),
+                    });
+                }
+                return Ok(n * tiles.cluster);
+            }
             let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(tiles.gemm_threads(), smem as usize, None)?;
             Ok(per_sm.max(1) * device.sm_count())
         };
@@ -268,8 +279,10 @@ impl GroupedPath {
         let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
         let nt1 = (spec.intermediate() / (self.tiles.bn1 / 2)) as usize;
         let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
-        let grid1 = (max_tiles * nt1).min(self.gemm1_blocks as usize).max(1) as u32;
-        let grid2 = (max_tiles * nt2).min(self.gemm2_blocks as usize).max(1) as u32;
+        // Persistent grids: no more clusters than items (cluster tiles x column blocks).
+        let cl = self.tiles.cluster as usize;
+        let grid = |nt: usize, most: u32| ((max_tiles.div_ceil(cl) * nt).min(most as usize / cl).max(1) * cl) as u32;
+        let (grid1, grid2) = (grid(nt1, self.gemm1_blocks), grid(nt2, self.gemm2_blocks));
         // The weights' tensor maps (warp-specialised kernels): w13 in boxes of BN1 / 2 rows (gate,
         // then up), w2 in boxes of BN2 rows.
         let (mut w13_map, mut w2_map) = if self.tiles.warp_specialized {
@@ -277,7 +290,7 @@ impl GroupedPath {
             let eb = if self.fp8 { 1 } else { 2 };
             (
                 TensorMap::k_major(p.w13, e * 2 * is, hs * eb, eb, self.tiles.bn1 / 2)?,
-                TensorMap::k_major(p.w2, e * hs, is * eb, eb, self.tiles.bn2)?,
+                TensorMap::k_major(p.w2, e * hs, is * eb, eb, self.tiles.bn2 / self.tiles.cluster)?,
             )
         } else {
             (TensorMap::unused(), TensorMap::unused())
@@ -299,15 +312,7 @@ impl GroupedPath {
                 arg(&mut counter1),
                 arg(&mut w13_map),
             ];
-            launch(
-                &self.fns.gemm1,
-                stream,
-                grid1,
-                self.tiles.gemm_threads(),
-                self.tiles.smem_bytes(self.tiles.bn1),
-                false,
-                &mut args,
-            )?;
+            self.launch_gemm(&self.fns.gemm1, stream, grid1, self.tiles.bn1, &mut args)?;
         }
         let (mut a2, mut a2s) = (mid, 0u64);
         if self.fp8 {
@@ -341,15 +346,7 @@ impl GroupedPath {
                 arg(&mut counter2),
                 arg(&mut w2_map),
             ];
-            launch(
-                gemm2,
-                stream,
-                grid2,
-                self.tiles.gemm_threads(),
-                self.tiles.smem_bytes(self.tiles.bn2),
-                false,
-                &mut args,
-            )?;
+            self.launch_gemm(gemm2, stream, grid2, self.tiles.bn2, &mut args)?;
         }
         let mut y = p.y;
         unsafe {
@@ -362,6 +359,23 @@ impl GroupedPath {
             }
         }
         Ok(())
+    }
+
+    /// A GEMM kernel with `bn` columns per tile, in clusters if the tiles ask for them.
+    unsafe fn launch_gemm(
+        &self,
+        f: &CudaFunction,
+        stream: &CudaStream,
+        grid: u32,
+        bn: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let (threads, smem) = (self.tiles.gemm_threads(), self.tiles.smem_bytes(bn));
+        if self.tiles.cluster > 1 {
+            launch_clustered(f, stream, grid, threads, smem, self.tiles.cluster, args)
+        } else {
+            launch(f, stream, grid, threads, smem, false, args)
+        }
     }
 
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.

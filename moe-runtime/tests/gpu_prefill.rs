@@ -119,18 +119,21 @@ fn alignment_cases(k: usize) {
             let (sorted, pos, tile_e, ntiles) = (a.sorted_rows, a.pair_pos, a.tile_expert, a.num_tiles);
             let mut count = vec![0usize; e];
             ids.iter().for_each(|&i| count[i as usize] += 1);
-            let want_tiles: usize = count.iter().map(|c| c.div_ceil(128)).sum();
+            // Each expert pads to whole clusters of 128-row tiles.
+            let cl = layer.grouped_tiles().unwrap().cluster as usize;
+            let tiles_of = |c: usize| c.div_ceil(128 * cl) * cl;
+            let want_tiles: usize = count.iter().map(|&c| tiles_of(c)).sum();
             assert_eq!(ntiles as usize, want_tiles, "{name} m={m}");
             // Tiles in expert order, each expert's count of them.
             let mut want_e = Vec::new();
             for (x, c) in count.iter().enumerate() {
-                want_e.extend(std::iter::repeat_n(x as i32, c.div_ceil(128)));
+                want_e.extend(std::iter::repeat_n(x as i32, tiles_of(*c)));
             }
             assert_eq!(&tile_e[..want_tiles], &want_e[..], "{name} m={m}");
             // Each tile's span: (first tile, tiles) of its expert, the GEMMs' work order.
             let mut want_span = Vec::new();
             for c in &count {
-                let (first, t) = (want_span.len() as i32 / 2, c.div_ceil(128) as i32);
+                let (first, t) = (want_span.len() as i32 / 2, tiles_of(*c) as i32);
                 (0..t).for_each(|_| want_span.extend([first, t]));
             }
             assert_eq!(&a.tile_span[..2 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
@@ -149,7 +152,9 @@ fn alignment_cases(k: usize) {
             let pads = sorted[..want_tiles * 128].iter().filter(|&&p| p < 0).count();
             assert_eq!(pads, want_tiles * 128 - m * k, "{name} m={m}: padding rows");
             assert!(down(&layer, &y).iter().all(|v| v.is_finite()), "{name} m={m}: unwritten outputs");
-            println!("alignment k={k} {name:<12} m={m:<5} {want_tiles} tiles, permutation and padding exact");
+            println!(
+                "alignment k={k} cluster={cl} {name:<12} m={m:<5} {want_tiles} tiles, permutation and padding exact"
+            );
         }
     }
 }
@@ -282,8 +287,9 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
     }
 }
 
-/// The pipelines the device does not take by default: on an H100 the block-barrier wgmma kernels
-/// and the ldmatrix + mma.sync ones (what sm_100a and sm_120a run), bf16 and fp8, both combines.
+/// The pipelines the device does not take by default: on an H100 the warp-specialised kernels
+/// without clusters, the block-barrier wgmma kernels and the ldmatrix + mma.sync ones (what
+/// sm_100a and sm_120a run), bf16 and fp8, both combines.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn every_gemm_pipeline_matches_reference() {
@@ -296,8 +302,17 @@ fn every_gemm_pipeline_matches_reference() {
         let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
         let defaults = layer.grouped_tiles().unwrap();
         let others = [
-            GemmTiles { warp_specialized: false, stages: 4, ..defaults },
-            GemmTiles { mma: Mma::MmaSync, warp_specialized: false, bn1: 128, bn2: 128, stages: 4, ..defaults },
+            GemmTiles { cluster: 1, ..defaults },
+            GemmTiles { warp_specialized: false, stages: 4, cluster: 1, ..defaults },
+            GemmTiles {
+                mma: Mma::MmaSync,
+                warp_specialized: false,
+                bn1: 128,
+                bn2: 128,
+                stages: 4,
+                cluster: 1,
+                ..defaults
+            },
         ];
         for tiles in others.into_iter().filter(|t| *t != defaults) {
             layer.set_grouped_tiles(&dev, tiles).unwrap();
