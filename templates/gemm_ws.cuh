@@ -60,8 +60,15 @@ __device__ __forceinline__ unsigned cluster_addr(unsigned a, int rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
     return r;
 }
+// Arrive on a barrier of a block of the cluster. The release at cluster scope makes this
+// thread's earlier writes (the item hand-over) visible there; a consumer's release of a stage
+// publishes no data (its MMAs have read the stage), so it arrives at the default .cta scope and
+// skips that cluster-wide fence on every k-tile.
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned cluster_bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait_cluster(unsigned bar, int parity) {
     asm volatile(
@@ -208,7 +215,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 if (CLUSTER == 1) mbar_arrive(empty(st));
                 else
 #pragma unroll
-                    for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(cluster_addr(empty(st), r));
+                    for (int r = 0; r < CLUSTER; ++r) mbar_arrive_remote(cluster_addr(empty(st), r));
             }
         };
         int s = 0;

@@ -149,7 +149,7 @@ impl GroupedPath {
         let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.bn2)?;
         blocks(&fns.gemm2_rows, tiles.bn2)?;
         let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
-        tracing::info!(module = %src.name, ?tiles, "grouped path loaded");
+        tracing::info!(module = %src.name, ?tiles, gemm1_blocks, gemm2_blocks, "grouped path loaded");
         Ok(GroupedPath {
             tiles,
             fns,

@@ -31,10 +31,10 @@ fn down(layer: &MoeLayer, y: &CudaSlice<Bf>) -> Vec<f32> {
 }
 
 /// Small layer for router / alignment tests (weights do not matter there).
-fn small(router: Router, experts: u32, top_k: u32) -> (MoeLayer, HostWeights) {
+fn small(dev: &Device, router: Router, experts: u32, top_k: u32) -> (MoeLayer, HostWeights) {
     let spec = MoeSpec::builder(256, 128, experts, top_k).build().unwrap().with_router(router).unwrap();
     let w = random_weights(&spec, fresh_seed());
-    let mut layer = MoeLayer::load(&gpu(), spec, &w).unwrap();
+    let mut layer = MoeLayer::load(dev, spec, &w).unwrap();
     layer.set_prefill_threshold(1);
     (layer, w)
 }
@@ -49,7 +49,7 @@ fn router_matches_the_cpu_reference_ties_included() {
         Router::GroupLimited(GroupLimited::new(4, 2, false, 1.0)),
     ];
     for router in routers {
-        let (mut layer, _) = small(router, 64, 6);
+        let (mut layer, _) = small(&gpu(), router, 64, 6);
         let spec = *layer.spec();
         let seed = fresh_seed();
         let mut rng = SmallRng::seed_from_u64(seed);
@@ -100,12 +100,21 @@ fn routing_case(name: &str, m: usize, e: usize, k: usize, rng: &mut SmallRng) ->
 #[ignore = "needs an NVIDIA GPU"]
 fn alignment_is_an_expert_contiguous_padded_permutation() {
     for k in [4usize, 1] {
-        alignment_cases(k);
+        for cluster in [1, 2] {
+            alignment_cases(k, cluster);
+        }
     }
 }
 
-fn alignment_cases(k: usize) {
-    let (layer, _) = small(Router::default(), 32, k as u32);
+/// `cluster`: the GEMM blocks per cluster, whose row tiles each expert pads to (warp-specialised
+/// pipeline only; elsewhere the case runs with the device's default tiles).
+fn alignment_cases(k: usize, cluster: u32) {
+    let dev = gpu();
+    let (mut layer, _) = small(&dev, Router::default(), 32, k as u32);
+    let tiles = layer.grouped_tiles().unwrap();
+    if tiles.warp_specialized {
+        layer.set_grouped_tiles(&dev, moe_codegen::GemmTiles { cluster, ..tiles }).unwrap();
+    }
     let e = 32usize;
     let mut rng = SmallRng::seed_from_u64(fresh_seed());
     for name in ["same_experts", "few_experts", "uniform"] {
@@ -288,7 +297,7 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
 }
 
 /// The pipelines the device does not take by default: on an H100 the warp-specialised kernels
-/// without clusters, the block-barrier wgmma kernels and the ldmatrix + mma.sync ones (what
+/// in 2-block clusters (the weight tile multicast), the block-barrier wgmma kernels and the ldmatrix + mma.sync ones (what
 /// sm_100a and sm_120a run), bf16 and fp8, both combines.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -302,7 +311,7 @@ fn every_gemm_pipeline_matches_reference() {
         let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
         let defaults = layer.grouped_tiles().unwrap();
         let others = [
-            GemmTiles { cluster: 1, ..defaults },
+            GemmTiles { cluster: 2, ..defaults },
             GemmTiles { warp_specialized: false, stages: 4, cluster: 1, ..defaults },
             GemmTiles {
                 mma: Mma::MmaSync,
