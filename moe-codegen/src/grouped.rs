@@ -37,8 +37,13 @@ pub struct GemmTiles {
     /// Blocks per cluster (warp-specialised only): 2 pairs row tiles of one expert, and each
     /// block multicasts half of the shared weight tile to both (TMA), so every weight byte
     /// leaves L2 once per pair of row tiles. Each expert's rows then pad to `bm * cluster`.
-    /// The default only for layers of few experts (`CLUSTER_MAX_EXPERTS`), where each expert
-    /// holds many row tiles.
+    /// Off by default. Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
+    /// 2026-11-22): GEMM1's L2 reads fell by 23% (Qwen3-30B-A3B bf16, M = 4096), yet Qwen3-30B-A3B
+    /// ran slower at M = 4096 (bf16 797 -> 851-866 us, fp8 775 -> 883-935 us: with 2-3 row tiles per
+    /// expert the pairs add padding tiles, and each stage waits on both blocks' consumers), and
+    /// Mixtral-8x7B gained only at the largest steps (bf16 M = 16384 629 / 647 -> 659-673 / 665-675
+    /// TFLOP/s, uniform / skewed) while its weight-streaming steps lost (M = 64 975 -> 1106 us bf16,
+    /// 597 -> 890 us fp8: half as many weight tiles in flight).
     pub cluster: u32,
 }
 
@@ -50,14 +55,6 @@ pub const ALIGN_THREADS: u32 = 1024;
 pub const ELEMWISE_THREADS: u32 = 256;
 /// Bytes of K per pipeline stage and row.
 const BK_BYTES: u32 = 128;
-/// Layers of at most this many experts default to 2-block clusters. Measured on the H100
-/// (M = 4096 unless said, interleaved A/B in one process): Mixtral-8x7B (8 experts, about 8 row
-/// tiles each) bf16 M = 16384 629 / 647 -> 661-673 / 674-675 TFLOP/s (uniform / skewed routing),
-/// fp8 648 -> 677-683 uniform, bf16 at M = 4096 within the run-to-run spread; Qwen3-30B-A3B (128
-/// experts, 2-3 row tiles each, so the pairs add padding tiles and the two blocks wait on each
-/// other's consumers) ran slower: bf16 797 -> 851 us, fp8 775 -> 883 us, although GEMM1's L2
-/// reads fell by 23%.
-const CLUSTER_MAX_EXPERTS: u32 = 16;
 /// Row tiles of one expert that run side by side, column block by column block, so that a wave
 /// reads each weight tile once through L2 (see `work_item` in grouped_gemm.cu).
 const GROUP_TILES: u32 = 8;
@@ -70,7 +67,7 @@ impl GemmTiles {
         let (h, i) = (spec.hidden(), spec.intermediate());
         let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
         let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
-        let cluster = if spec.experts() <= CLUSTER_MAX_EXPERTS { 2 } else { 1 };
+        let cluster = 1; // see `GemmTiles::cluster`
         if mma == Mma::Wgmma && !fp8 {
             // bf16 / fp16 on wgmma: 128 x 256 tiles in both GEMMs (4 stages of 48 KiB), which on
             // the block-barrier pipeline already beat 128 x 128 (H200, M = 4096: Qwen3-30B-A3B 358
@@ -455,13 +452,7 @@ mod tests {
         assert!(
             GemmTiles::for_spec(&s, Arch::Sm100a).cluster == 1 && GemmTiles::for_spec(&s, Arch::Sm120a).cluster == 1
         );
-        // Defaults: clusters for few large experts (Mixtral), not for many small ones (Qwen3).
-        assert_eq!(GemmTiles::for_spec(&s, Arch::Sm90a).cluster, 1);
-        for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
-            let mixtral = spec(4096, 14336, 8, 2, f);
-            assert_eq!(GemmTiles::for_spec(&mixtral, Arch::Sm90a).cluster, 2);
-            assert_eq!(GemmTiles::for_spec(&mixtral, Arch::Sm120a).cluster, 1);
-        }
+        assert_eq!(GemmTiles::for_spec(&s, Arch::Sm90a).cluster, 1, "off by default");
     }
 
     #[test]
