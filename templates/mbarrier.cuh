@@ -14,13 +14,16 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, int bytes) {
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+// Spin on try_wait until the phase of the given parity has completed; SEM qualifies the acquire.
+#define MOE_MBAR_WAIT_LOOP(SEM)                                                          \
+    "{\n.reg .pred done;\nWAIT:\n"                                                       \
+    "mbarrier.try_wait.parity" SEM ".shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}\n"
 __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
+    asm volatile(MOE_MBAR_WAIT_LOOP("") ::"r"(bar), "r"(parity) : "memory");
+}
+// The same, acquiring at cluster scope what other blocks of the cluster released on arrival.
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, int parity) {
+    asm volatile(MOE_MBAR_WAIT_LOOP(".acquire.cluster") ::"r"(bar), "r"(parity) : "memory");
 }
 // Makes the barriers' initialisation visible to the copy engine (then a block barrier).
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }

@@ -122,24 +122,18 @@ pub(crate) unsafe fn launch(
     pdl: bool,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    let mut attrs = launch_attrs(pdl, 1);
-    let cfg = launch_config(stream, grid, block, smem, &mut attrs);
-    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
-    Ok(())
+    launch_with(f, stream, (grid, block, smem), launch_attrs(pdl, 1), params)
 }
 
-/// `launch` in clusters of `cluster` blocks along x (`grid` a multiple of it).
-pub(crate) unsafe fn launch_clustered(
+/// `(grid, block, dynamic shared memory)` with these attributes (with clusters: `grid` a
+/// multiple of the cluster's size).
+pub(crate) unsafe fn launch_with(
     f: &CudaFunction,
     stream: &CudaStream,
-    grid: u32,
-    block: u32,
-    smem: u32,
-    cluster: u32,
+    (grid, block, smem): (u32, u32, u32),
+    mut attrs: LaunchAttrs,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    debug_assert!(grid % cluster == 0);
-    let mut attrs = launch_attrs(false, cluster);
     let cfg = launch_config(stream, grid, block, smem, &mut attrs);
     sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
     Ok(())
@@ -162,7 +156,7 @@ pub(crate) fn max_active_clusters(
 
 /// The launch attributes in use: programmatic serialisation if `pdl`, cluster dimensions if
 /// `cluster > 1` (an unused attribute stays past `numAttrs`).
-fn launch_attrs(pdl: bool, cluster: u32) -> LaunchAttrs {
+pub(crate) fn launch_attrs(pdl: bool, cluster: u32) -> LaunchAttrs {
     let mut attrs = LaunchAttrs { a: unsafe { std::mem::zeroed() }, n: 0 };
     if pdl {
         let a = &mut attrs.a[attrs.n];
@@ -179,7 +173,7 @@ fn launch_attrs(pdl: bool, cluster: u32) -> LaunchAttrs {
     attrs
 }
 
-struct LaunchAttrs {
+pub(crate) struct LaunchAttrs {
     a: [sys::CUlaunchAttribute; 2],
     n: usize,
 }

@@ -6,7 +6,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
-use crate::layer::{launch, launch_clustered, max_active_clusters, ptr};
+use crate::layer::{launch, launch_attrs, launch_with, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
@@ -370,12 +370,8 @@ impl GroupedPath {
         bn: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let (threads, smem) = (self.tiles.gemm_threads(), self.tiles.smem_bytes(bn));
-        if self.tiles.cluster > 1 {
-            launch_clustered(f, stream, grid, threads, smem, self.tiles.cluster, args)
-        } else {
-            launch(f, stream, grid, threads, smem, false, args)
-        }
+        let dims = (grid, self.tiles.gemm_threads(), self.tiles.smem_bytes(bn));
+        launch_with(f, stream, dims, launch_attrs(false, self.tiles.cluster), args)
     }
 
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
