@@ -45,38 +45,61 @@ struct alignas(64) TmaMap {
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 
 // Activations to e4m3 with one f32 scale per 128 along K (rows [rows, COLS] -> q, s [rows, COLS / 128]).
-// A warp quantizes one 128-element block. rows: `m`, or *num_tiles * BM when num_tiles is given.
+// Half a warp quantizes one 128-element block, 16 bytes per lane. rows: `m`, or *num_tiles * BM
+// when num_tiles is given, and then only the rows that hold a pair (sorted_rows >= 0): the GEMMs
+// never read the others (cp.async zero-fills them).
 template <int COLS>
 __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, const int* __restrict__ num_tiles,
-                                           unsigned char* __restrict__ q, float* __restrict__ s) {
+                                           const int* __restrict__ sorted_rows, unsigned char* __restrict__ q,
+                                           float* __restrict__ s) {
+    static_assert(sizeof(act_t) == 2, "8 activations per 16-byte load");
     const int rows = num_tiles ? *num_tiles * BM : m;
     const long blocks = (long)rows * (COLS / 128);
-    const int lane = threadIdx.x % 32;
-    for (long b = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; b < blocks; b += (long)gridDim.x * blockDim.x / 32) {
+    const int sub = threadIdx.x % 16;
+    const long step = (long)gridDim.x * blockDim.x / 16;
+    for (long b = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 16; b < blocks + (step - blocks % step) % step; b += step) {
+        // Every lane of the warp runs each round (the shuffles), idle ones past the end.
         const long row = b / (COLS / 128), blk = b % (COLS / 128);
-        const act_t* src = in + row * COLS + blk * 128 + lane * 4;
-        float v[4];
+        const bool live = b < blocks && (!num_tiles || sorted_rows[row] >= 0);
+        float v[8];
+        if (live) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(in + row * COLS + blk * 128 + sub * 8);
+            const act_t* e = reinterpret_cast<const act_t*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = (float)src[i];
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+            for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
+        } else {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+            for (int i = 0; i < 8; ++i) v[i] = 0.f;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+        if (!live) continue;
         const float scale = amax > 0.f ? amax / 448.f : 1.f;
         const float inv = 1.f / scale;
-        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
-        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-        *reinterpret_cast<unsigned*>(q + row * COLS + blk * 128 + lane * 4) = (unsigned)lo | ((unsigned)hi << 16);
-        if (lane == 0) s[row * (COLS / 128) + blk] = scale;
+        unsigned packed[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const __nv_fp8x2_storage_t lo =
+                __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h] * inv, v[4 * h + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+            const __nv_fp8x2_storage_t hi =
+                __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2] * inv, v[4 * h + 3] * inv), __NV_SATFINITE, __NV_E4M3);
+            packed[h] = (unsigned)lo | ((unsigned)hi << 16);
+        }
+        *reinterpret_cast<uint2*>(q + row * COLS + blk * 128 + sub * 8) = make_uint2(packed[0], packed[1]);
+        if (sub == 0) s[row * (COLS / 128) + blk] = scale;
     }
 }
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_quant_x(const act_t* __restrict__ x, int m, unsigned char* __restrict__ q, float* __restrict__ s) {
-    quant_rows<HIDDEN>(x, m, nullptr, q, s);
+    quant_rows<HIDDEN>(x, m, nullptr, nullptr, q, s);
 }
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, unsigned char* __restrict__ q,
-              float* __restrict__ s) {
-    quant_rows<INTER>(mid, 0, num_tiles, q, s);
+moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
+              unsigned char* __restrict__ q, float* __restrict__ s) {
+    quant_rows<INTER>(mid, 0, num_tiles, sorted_rows, q, s);
 }
 
 // Work item w of a GEMM with nt column blocks -> the row tile of cluster rank `rank`, its column
@@ -173,13 +196,17 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nf * 4 + i] += pt[nf * 4 + i] * sa[i / 2] * (nf < S::NF / 2 ? bg : bu);
     };
+    // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
 #pragma unroll
-        for (int q = 0; q < S::NF / 2; ++q)
+        for (int h = 0; h < 2; ++h) {
+            const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
+            if (sorted_rows[row] < 0) continue;
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                store_mid(mid, it.tile * BM + row0 + lane / 4 + 8 * h, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e,
-                          acc + q * 4 + 2 * h, acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+            for (int q = 0; q < S::NF / 2; ++q)
+                store_mid(mid, row, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e, acc + q * 4 + 2 * h,
+                          acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+        }
     };
     ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
                       promote, epilogue);
@@ -314,15 +341,19 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                         }
                 }
         });
+        // Padding rows are not stored (GEMM2 never uses what they hold: its outputs there are dropped).
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
-            for (int q = 0; q < T::NF / 2; ++q)
+            for (int h = 0; h < 2; ++h) {
+                const int row = tile * BM + frag_row(row0, mf, 2 * h);
+                if (sorted_rows[row] < 0) continue;
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    store_mid(mid, tile * BM + frag_row(row0, mf, 2 * h), nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4),
-                              e, acc + (mf * T::NF + 2 * q) * 4 + 2 * h, acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h,
+                for (int q = 0; q < T::NF / 2; ++q)
+                    store_mid(mid, row, nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4), e,
+                              acc + (mf * T::NF + 2 * q) * 4 + 2 * h, acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h,
                               w13_scales);
+            }
     }
 }
 
@@ -341,7 +372,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         const int tile = it.tile, nb = it.nblk * BN2, e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
-        // Padding rows of mid hold zeros (GEMM1 wrote act(0) * 0), so A needs no gather here.
+        // A reads mid's rows as they are: whatever a padding row holds reaches only that row's
+        // outputs, which are never stored.
 #pragma unroll
         for (int j = 0; j < T::A_PER_THREAD; ++j)
             a_src[j] = (const char*)a + (long)(tile * BM + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;

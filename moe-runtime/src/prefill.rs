@@ -270,9 +270,9 @@ impl GroupedPath {
             a1 = xq;
             a1s = xs;
             let mut args = [arg(&mut x), arg(&mut m32), arg(&mut xq), arg(&mut xs)];
-            // A warp per 128-element block.
+            // Half a warp per 128-element block.
             unsafe {
-                launch(&self.fns.quant_x, stream, elementwise(m * h / 128 * 32), ELEMWISE_THREADS, 0, false, &mut args)?
+                launch(&self.fns.quant_x, stream, elementwise(m * h / 128 * 16), ELEMWISE_THREADS, 0, false, &mut args)?
             };
         }
         let mut mid = ptr(&s.mid, stream);
@@ -320,8 +320,9 @@ impl GroupedPath {
             a2 = mq;
             a2s = ms;
             let rows = max_tiles * self.tiles.bm as usize;
-            let mut args = [arg(&mut mid), arg(&mut ntiles), arg(&mut mq), arg(&mut ms)];
-            let grid = elementwise(rows * spec.intermediate() as usize / 128 * 32);
+            let mut args = [arg(&mut mid), arg(&mut ntiles), arg(&mut sorted), arg(&mut mq), arg(&mut ms)];
+            // Half a warp per 128-element block.
+            let grid = elementwise(rows * spec.intermediate() as usize / 128 * 16);
             unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, false, &mut args)? };
         }
         if !deterministic {
