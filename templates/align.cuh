@@ -1,19 +1,27 @@
 // Alignment: the (token, slot) pairs `p = t * TOP_K + s` regrouped by expert into tiles of BM
-// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh). Three
+// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh). Two
 // kernels, no host synchronisation; the host sizes every buffer from upper bounds (max_tiles).
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
 //   tile_span[tile]             (first tile, tiles) of that expert, for the GEMMs' work order
-// Out-of-range ids are skipped and counted in *errors. `counts` is zero on entry to
-// moe_align_count and left zero by moe_align_scan for the next step.
+// Out-of-range ids are skipped and counted in *errors. `counts` and `done` are zero on entry to
+// moe_align_count, which leaves them zero for the next step.
 constexpr int ALIGN_THREADS = 1024;
 static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
 
-// Histogram of expert ids: per block in shared memory, then into counts[E].
+// Histogram of expert ids: per block in shared memory, then into counts[E]; the last block to
+// finish (a counter, `done`) then lays out the tiles (align_layout). Two kernels in all, so the
+// step pays one launch less than a separate scan.
+__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles);
+
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts, int* __restrict__ errors) {
+moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts, int* __restrict__ errors,
+                unsigned* __restrict__ done, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int hist[EXPERTS];
+    __shared__ bool last;
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) hist[e] = 0;
     __syncthreads();
     int bad = 0;
@@ -26,16 +34,25 @@ moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts
     __syncthreads();
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
         if (hist[e]) atomicAdd(&counts[e], hist[e]);
+    __threadfence();  // this block's counts before its arrival on `done`
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // every block's counts, seen by the last one
+    align_layout(counts, cursor, sorted_rows, tile_expert, tile_span, num_tiles);
+    if (threadIdx.x == 0) *done = 0;  // for the next step
 }
 
-// One block: tiles per expert, their exclusive scan, the tile -> expert map and spans, each
-// expert's first row (cursor) and its padding rows.
-extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-               int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
+// One block: tiles per expert, their exclusive scan, each expert's first row (cursor), then with
+// every thread the tile -> expert map and spans and the padding rows (-1) that close each
+// expert's last tile. Leaves counts zero for the next step.
+__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int warp_total[ALIGN_THREADS / 32];
+    __shared__ int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int count = tid < EXPERTS ? counts[tid] : 0;
+    const int count = tid < EXPERTS ? *(volatile int*)&counts[tid] : 0;
     const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
     int incl = tiles;
 #pragma unroll
@@ -56,15 +73,32 @@ moe_align_scan(int* __restrict__ counts, int* __restrict__ cursor, int* __restri
     }
     __syncthreads();
     const int first_tile = incl - tiles + (warp > 0 ? warp_total[warp - 1] : 0);
-    if (tid == ALIGN_THREADS - 1) *num_tiles = warp_total[31];
+    const int total = warp_total[31];
+    if (tid == 0) *num_tiles = total;
     if (tid < EXPERTS) {
-        for (int j = 0; j < tiles; ++j) {
-            tile_expert[first_tile + j] = tid;
-            tile_span[first_tile + j] = make_int2(first_tile, tiles);
-        }
+        first_of[tid] = first_tile;
+        tiles_of[tid] = tiles;
+        count_of[tid] = count;
         cursor[tid] = first_tile * BM;
-        for (int pos = first_tile * BM + count; pos < (first_tile + tiles) * BM; ++pos) sorted_rows[pos] = -1;
         counts[tid] = 0;
+    }
+    __syncthreads();
+    // Tile j belongs to the last expert with first_of <= j (one without tiles shares its first_of
+    // with the next, or is the last expert with first_of = total > j).
+    for (int j = tid; j < total; j += ALIGN_THREADS) {
+        int lo = 0, hi = EXPERTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (first_of[mid] <= j) lo = mid;
+            else hi = mid - 1;
+        }
+        tile_expert[j] = lo;
+        tile_span[j] = make_int2(first_of[lo], tiles_of[lo]);
+    }
+    // Padding: the last tiles * BM - count rows of each expert, fewer than BM * CLUSTER.
+    for (int i = tid; i < EXPERTS * BM * CLUSTER; i += ALIGN_THREADS) {
+        const int e = i / (BM * CLUSTER), r = i % (BM * CLUSTER);
+        if (r < tiles_of[e] * BM - count_of[e]) sorted_rows[(first_of[e] + tiles_of[e]) * BM - 1 - r] = -1;
     }
 }
 

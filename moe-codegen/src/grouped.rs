@@ -329,7 +329,6 @@ pub fn entry_points() -> Vec<String> {
     [
         "moe_route",
         "moe_align_count",
-        "moe_align_scan",
         "moe_align_scatter",
         "moe_quant_x",
         "moe_quant_mid",

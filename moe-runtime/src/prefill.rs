@@ -45,7 +45,6 @@ pub struct Alignment {
 struct Fns {
     route: CudaFunction,
     align_count: CudaFunction,
-    align_scan: CudaFunction,
     align_scatter: CudaFunction,
     quant_x: CudaFunction,
     quant_mid: CudaFunction,
@@ -61,8 +60,10 @@ struct Scratch {
     tokens: usize,
     deterministic: bool,
     sorted_rows: CudaSlice<i32>,
-    /// Per-expert pair counts (left zero by each step) and first free rows.
+    /// Per-expert pair counts and the alignment's block counter (both left zero by each step),
+    /// and each expert's first free row.
     counts: CudaSlice<i32>,
+    done: CudaSlice<u32>,
     cursor: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
@@ -109,7 +110,6 @@ impl GroupedPath {
         let fns = Fns {
             route: f("moe_route")?,
             align_count: f("moe_align_count")?,
-            align_scan: f("moe_align_scan")?,
             align_scatter: f("moe_align_scatter")?,
             quant_x: f("moe_quant_x")?,
             quant_mid: f("moe_quant_mid")?,
@@ -185,6 +185,7 @@ impl GroupedPath {
             deterministic,
             sorted_rows: stream.alloc_zeros(rows)?,
             counts: stream.alloc_zeros(spec.experts() as usize)?,
+            done: stream.alloc_zeros(1)?,
             cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
@@ -245,20 +246,22 @@ impl GroupedPath {
             ptr(&s.num_tiles, stream),
         );
         let (mut ids, mut errors) = (p.ids, p.errors);
-        let (mut counts, mut cursor) = (ptr(&s.counts, stream), ptr(&s.cursor, stream));
+        let (mut counts, mut done, mut cursor) = (ptr(&s.counts, stream), ptr(&s.done, stream), ptr(&s.cursor, stream));
         let align_grid = (pairs.div_ceil(ALIGN_THREADS as usize) as u32).clamp(1, self.sms);
         unsafe {
-            let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut counts), arg(&mut errors)];
-            launch(&self.fns.align_count, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
             let mut args = [
+                arg(&mut ids),
+                arg(&mut pairs32),
                 arg(&mut counts),
+                arg(&mut errors),
+                arg(&mut done),
                 arg(&mut cursor),
                 arg(&mut sorted),
                 arg(&mut tile_e),
                 arg(&mut span),
                 arg(&mut ntiles),
             ];
-            launch(&self.fns.align_scan, stream, 1, ALIGN_THREADS, 0, false, &mut args)?;
+            launch(&self.fns.align_count, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
             let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut cursor), arg(&mut sorted), arg(&mut pos)];
             launch(&self.fns.align_scatter, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
         }
