@@ -5,6 +5,7 @@
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
 //   tile_span[tile]             (first tile, tiles) of that expert, for the GEMMs' work order
+//   num_tiles[1]                the hot experts' tiles, which come first (align_layout)
 // Out-of-range ids are skipped and counted in *errors. `counts` and `done` are zero on entry to
 // moe_align_count, which leaves them zero for the next step.
 constexpr int ALIGN_THREADS = 1024;
@@ -44,21 +45,15 @@ moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts
     if (threadIdx.x == 0) *done = 0;  // for the next step
 }
 
-// One block: tiles per expert, their exclusive scan, each expert's first row (cursor), then with
-// every thread the tile -> expert map and spans and the padding rows (-1) that close each
-// expert's last tile. Leaves counts zero for the next step.
-__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
+// Exclusive prefix of v over the block's threads, and the block's total (every thread calls it).
+__device__ __forceinline__ int block_exclusive_scan(int v, int& total) {
     __shared__ int warp_total[ALIGN_THREADS / 32];
-    __shared__ int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int count = tid < EXPERTS ? *(volatile int*)&counts[tid] : 0;
-    const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
-    int incl = tiles;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int incl = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(MOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += v;
+        const int u = __shfl_up_sync(MOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += u;
     }
     if (lane == 31) warp_total[warp] = incl;
     __syncthreads();
@@ -66,34 +61,63 @@ __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor,
         int w = warp_total[lane];
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL_MASK, w, o);
-            if (lane >= o) w += v;
+            const int u = __shfl_up_sync(MOE_FULL_MASK, w, o);
+            if (lane >= o) w += u;
         }
         warp_total[lane] = w;  // inclusive
     }
     __syncthreads();
-    const int first_tile = incl - tiles + (warp > 0 ? warp_total[warp - 1] : 0);
-    const int total = warp_total[31];
-    if (tid == 0) *num_tiles = total;
+    const int excl = incl - v + (warp > 0 ? warp_total[warp - 1] : 0);
+    total = warp_total[ALIGN_THREADS / 32 - 1];
+    __syncthreads();  // the next scan reuses warp_total
+    return excl;
+}
+
+// One block: tiles per expert and their layout: the hot experts (HOT_TILES tiles or more) first,
+// then the others, each group in expert order (work_item interleaves their items); each expert's
+// first row (cursor); then with every thread the tile -> expert map and spans and the padding rows
+// (-1) that close each expert's last tile. num_tiles = (tiles, hot tiles). Leaves counts zero for
+// the next step.
+__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
+    __shared__ int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
+    __shared__ int first_ord[EXPERTS], expert_ord[EXPERTS];  // in layout order
+    const int tid = threadIdx.x;
+    const int count = tid < EXPERTS ? *(volatile int*)&counts[tid] : 0;
+    const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
+    const bool hot = tiles >= HOT_TILES;
+    int total, hot_total, hot_experts;
+    const int before = block_exclusive_scan(tiles, total);
+    const int hot_before = block_exclusive_scan(hot ? tiles : 0, hot_total);
+    const int hot_rank = block_exclusive_scan(hot ? 1 : 0, hot_experts);
+    const int first_tile = hot ? hot_before : hot_total + (before - hot_before);
+    if (tid == 0) {
+        num_tiles[0] = total;
+        num_tiles[1] = hot_total;
+    }
     if (tid < EXPERTS) {
         first_of[tid] = first_tile;
         tiles_of[tid] = tiles;
         count_of[tid] = count;
+        const int ord = hot ? hot_rank : hot_experts + (tid - hot_rank);
+        first_ord[ord] = first_tile;
+        expert_ord[ord] = tid;
         cursor[tid] = first_tile * BM;
         counts[tid] = 0;
     }
     __syncthreads();
-    // Tile j belongs to the last expert with first_of <= j (one without tiles shares its first_of
-    // with the next, or is the last expert with first_of = total > j).
+    // Tile j belongs to the last expert in layout order with first_ord <= j (one without tiles
+    // shares its first_ord with the next, or is the last, with first_ord = total > j).
     for (int j = tid; j < total; j += ALIGN_THREADS) {
         int lo = 0, hi = EXPERTS - 1;
         while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
-            if (first_of[mid] <= j) lo = mid;
+            if (first_ord[mid] <= j) lo = mid;
             else hi = mid - 1;
         }
-        tile_expert[j] = lo;
-        tile_span[j] = make_int2(first_of[lo], tiles_of[lo]);
+        const int e = expert_ord[lo];
+        tile_expert[j] = e;
+        tile_span[j] = make_int2(first_of[e], tiles_of[e]);
     }
     // Padding: the last tiles * BM - count rows of each expert, fewer than BM * CLUSTER.
     for (int i = tid; i < EXPERTS * BM * CLUSTER; i += ALIGN_THREADS) {

@@ -32,6 +32,7 @@ constexpr int ELEMWISE_THREADS = 256;
 constexpr int GEMM_THREADS = MOE_WS ? 384 : 256;
 constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles share the weight tile (gemm_ws.cuh)
 constexpr int GROUP_TILES = {{ group_tiles }};  // cluster tiles of an expert side by side (work_item)
+constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or more lead the layout (align.cuh)
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
@@ -107,12 +108,22 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
 // expert to whole ones). An expert's items run column-block-major over groups of up to
 // GROUP_TILES of its cluster tiles, so the blocks of a wave share each weight tile (and each row
 // tile) through L2 rather than streaming the expert's weights once per row tile.
-// tile_span[tile] = (first tile, tiles) of its expert.
+// The layout puts the hot experts' tiles (HOT_TILES or more) first; the counter's order deals
+// their items and the cold experts' evenly into each other, so that the cold items (a tile or two
+// against a whole weight column: DRAM-bound) run beside hot ones (tensor-bound) rather than all
+// together. tile_span[tile] = (first tile, tiles) of its expert; num_tiles = (tiles, hot tiles).
 struct Work {
     int tile, nblk, e;
 };
 __device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict__ tile_span,
-                                          const int* __restrict__ tile_expert, int rank = 0) {
+                                          const int* __restrict__ tile_expert, const int* __restrict__ num_tiles,
+                                          int rank = 0) {
+    const long long hot = (long long)(num_tiles[1] / CLUSTER) * nt, all = (long long)(num_tiles[0] / CLUSTER) * nt;
+    if (hot > 0 && hot < all) {
+        // Of the first w items, hot_before are hot; item w is hot if the count steps past it.
+        const long long hot_before = w * hot / all;
+        w = (w + 1) * hot / all > hot_before ? (int)hot_before : (int)(hot + w - hot_before);
+    }
     const int2 sp = tile_span[w / nt * CLUSTER];
     const int first = sp.x / CLUSTER, n = sp.y / CLUSTER;
     const int l = w - first * nt;
@@ -168,7 +179,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
           int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using S = WsShape<BN1>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, tile_expert, rank); };
+    auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, tile_expert, num_tiles, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int p = sorted_rows[it.tile * BM + r];
         return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
@@ -220,7 +231,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, tile_expert, rank); };
+    auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, tile_expert, num_tiles, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int pos = it.tile * BM + r;
@@ -297,7 +308,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const Work it = work_item(w, NT1, tile_span, tile_expert);
+        const Work it = work_item(w, NT1, tile_span, tile_expert, num_tiles);
         const int tile = it.tile, nb = it.nblk * (BN1 / 2), e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
@@ -368,7 +379,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const Work it = work_item(w, NT2, tile_span, tile_expert);
+        const Work it = work_item(w, NT2, tile_span, tile_expert, num_tiles);
         const int tile = it.tile, nb = it.nblk * BN2, e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];

@@ -58,6 +58,10 @@ const BK_BYTES: u32 = 128;
 /// Row tiles of one expert that run side by side, column block by column block, so that a wave
 /// reads each weight tile once through L2 (see `work_item` in grouped_gemm.cu).
 const GROUP_TILES: u32 = 8;
+/// Experts with this many tiles or more ("hot") lead the alignment's layout, and the GEMMs deal
+/// their work items and the other experts' evenly into each other (`work_item`): a cold expert's
+/// item reads a whole weight column for a tile or two (DRAM-bound), a hot one's mostly computes.
+pub const HOT_TILES: u32 = 4;
 
 impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
@@ -194,6 +198,7 @@ struct GroupedGemmCu {
     wgmma: u32,
     ws: u32,
     group_tiles: u32,
+    hot_tiles: u32,
     act_type: &'static str,
     hidden: u32,
     intermediate: u32,
@@ -292,6 +297,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         wgmma: (tiles.mma == Mma::Wgmma) as u32,
         ws: tiles.warp_specialized as u32,
         group_tiles: GROUP_TILES,
+        hot_tiles: HOT_TILES,
         act_type: spec.act_dtype().cuda_type(),
         hidden: h,
         intermediate: i,

@@ -40,6 +40,8 @@ pub struct Alignment {
     pub tile_span: Vec<i32>,
     /// Tiles in use.
     pub num_tiles: i32,
+    /// The hot experts' tiles, which lead the layout (`moe_codegen::grouped::HOT_TILES`).
+    pub hot_tiles: i32,
 }
 
 struct Fns {
@@ -69,6 +71,7 @@ struct Scratch {
     tile_expert: CudaSlice<i32>,
     /// int2 per tile: (first tile, tiles) of its expert.
     tile_span: CudaSlice<i32>,
+    /// Tiles in use, and the hot experts' tiles among them (which come first).
     num_tiles: CudaSlice<i32>,
     /// The warp-specialised GEMMs' work counters (GEMM1, GEMM2), zeroed before each step.
     work_counters: CudaSlice<i32>,
@@ -190,7 +193,7 @@ impl GroupedPath {
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
             tile_span: stream.alloc_zeros(2 * max_tiles)?,
-            num_tiles: stream.alloc_zeros(1)?,
+            num_tiles: stream.alloc_zeros(2)?,
             work_counters: stream.alloc_zeros(2)?,
             mid: stream.alloc_zeros(rows * i * 2)?,
             xq: stream.alloc_zeros(q(tokens * h))?,
@@ -396,6 +399,7 @@ impl GroupedPath {
             tile_expert: stream.clone_dtoh(&s.tile_expert)?,
             tile_span: stream.clone_dtoh(&s.tile_span)?,
             num_tiles: stream.clone_dtoh(&s.num_tiles)?[0],
+            hot_tiles: stream.clone_dtoh(&s.num_tiles)?[1],
         })
     }
 }

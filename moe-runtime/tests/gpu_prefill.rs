@@ -133,16 +133,21 @@ fn alignment_cases(k: usize, cluster: u32) {
             let tiles_of = |c: usize| c.div_ceil(128 * cl) * cl;
             let want_tiles: usize = count.iter().map(|&c| tiles_of(c)).sum();
             assert_eq!(ntiles as usize, want_tiles, "{name} m={m}");
-            // Tiles in expert order, each expert's count of them.
+            // Tiles in expert order, the hot experts' (HOT_TILES or more) first, each expert's count
+            // of them.
+            let hot = |x: usize| tiles_of(count[x]) >= moe_codegen::grouped::HOT_TILES as usize;
+            let order: Vec<usize> = (0..e).filter(|&x| hot(x)).chain((0..e).filter(|&x| !hot(x))).collect();
             let mut want_e = Vec::new();
-            for (x, c) in count.iter().enumerate() {
-                want_e.extend(std::iter::repeat_n(x as i32, tiles_of(*c)));
+            for &x in &order {
+                want_e.extend(std::iter::repeat_n(x as i32, tiles_of(count[x])));
             }
             assert_eq!(&tile_e[..want_tiles], &want_e[..], "{name} m={m}");
+            let hot_tiles: usize = (0..e).filter(|&x| hot(x)).map(|x| tiles_of(count[x])).sum();
+            assert_eq!(a.hot_tiles as usize, hot_tiles, "{name} m={m}: hot tiles");
             // Each tile's span: (first tile, tiles) of its expert, the GEMMs' work order.
             let mut want_span = Vec::new();
-            for c in &count {
-                let (first, t) = (want_span.len() as i32 / 2, tiles_of(*c) as i32);
+            for &x in &order {
+                let (first, t) = (want_span.len() as i32 / 2, tiles_of(count[x]) as i32);
                 (0..t).for_each(|_| want_span.extend([first, t]));
             }
             assert_eq!(&a.tile_span[..2 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
