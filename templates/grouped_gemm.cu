@@ -47,8 +47,9 @@ extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 
 // Activations to e4m3 with one f32 scale per 128 along K (rows [rows, COLS] -> q, s [rows, COLS / 128]).
 // Half a warp quantizes one 128-element block, 16 bytes per lane. rows: `m`, or *num_tiles * BM
-// when num_tiles is given, and then only the rows that hold a pair (sorted_rows >= 0): the GEMMs
-// never read the others (cp.async zero-fills them).
+// when num_tiles is given, and then only the rows that hold a pair (sorted_rows >= 0): what the
+// others hold reaches only outputs that are never stored (the warp-specialised GEMM2 zero-fills
+// them).
 template <int COLS>
 __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, const int* __restrict__ num_tiles,
                                            const int* __restrict__ sorted_rows, unsigned char* __restrict__ q,
