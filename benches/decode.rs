@@ -250,8 +250,8 @@ fn summary(table: &[Row]) {
 }
 
 /// Compare tile configurations at a few step sizes (tuning aid; prints only):
-/// `--sweep [format,format...] [m,m...]`.
-fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
+/// `--sweep [format[:dequant],...] [m,m...]`.
+fn sweep(dev: &Device, specs: &[MoeSpec], ms: &[usize]) {
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
     println!("sweep: copy bandwidth {copy:.0} GB/s");
@@ -270,13 +270,12 @@ fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
         ]
     };
     // Compile every configuration up front, in parallel.
-    let sources: Vec<_> = formats
-        .iter()
-        .flat_map(|&f| configs(&qwen(f)).map(|(t, _)| render_warp_decode(&qwen(f), dev.arch(), t).unwrap()))
-        .collect();
+    let sources: Vec<_> =
+        specs.iter().flat_map(|s| configs(s).map(|(t, _)| render_warp_decode(s, dev.arch(), t).unwrap())).collect();
     dev.prepare(&sources).unwrap();
-    for &format in formats {
-        let spec = qwen(format);
+    for &spec in specs {
+        let format = spec.weight_format();
+        let dequant = spec.dequant().unwrap_or(format.default_dequant(dev.arch()));
         for (t, fused) in configs(&spec) {
             let layers = layers_with(dev, spec, t, fused);
             let kind = if fused { "fused" } else { "split" };
@@ -286,7 +285,7 @@ fn sweep(dev: &Device, formats: &[WeightFormat], ms: &[usize]) {
             let dn = if t.bulk_dn { format!("w{}x{}{h2}", t.bulk_dn_warps, t.bulk_dn_stages) } else { "regs".into() };
             let bk = format!("gate_up {gu} down {dn}");
             let mut line = format!(
-                "{:<9} {kind} {bk} w{} gu{}/{} dn{}x{} {xs} st{}:",
+                "{:<9} {dequant:<8} {kind} {bk} w{} gu{}/{} dn{}x{} {xs} st{}:",
                 format.name(),
                 t.warps,
                 t.gu_chunk,
@@ -354,15 +353,23 @@ fn main() {
         }
     };
     if let Some(i) = args.iter().position(|a| a == "--sweep") {
-        let formats: Vec<WeightFormat> = match args.get(i + 1).filter(|a| !a.starts_with("--")) {
-            Some(list) => list.split(',').map(|f| f.parse().unwrap()).collect(),
-            None => vec![WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Int4G128],
+        let spec = |f: &str| {
+            let (format, dequant) = f.split_once(':').map_or((f, None), |(f, d)| (f, Some(d)));
+            let b = MoeSpec::builder(2048, 768, 128, 8).weight_format(format.parse().unwrap());
+            match dequant {
+                Some(d) => b.dequant(d.parse().unwrap()).build().unwrap(),
+                None => b.build().unwrap(),
+            }
+        };
+        let specs: Vec<MoeSpec> = match args.get(i + 1).filter(|a| !a.starts_with("--")) {
+            Some(list) => list.split(',').map(spec).collect(),
+            None => ["bf16", "fp8_e4m3", "int4_g128"].map(spec).to_vec(),
         };
         let ms: Vec<usize> = match args.get(i + 2).filter(|a| !a.starts_with("--")) {
             Some(list) => list.split(',').map(|m| m.parse().unwrap()).collect(),
             None => vec![1, 2, 8],
         };
-        sweep(&dev, &formats, &ms);
+        sweep(&dev, &specs, &ms);
     } else if let Some(i) = args.iter().position(|a| a == "--profile") {
         let format: WeightFormat = args[i + 1].parse().unwrap();
         profile(&dev, format, args[i + 2].parse().unwrap(), args.get(i + 3).map(String::as_str) != Some("split"));

@@ -14,6 +14,8 @@
 //   dequant_h2(v, ws, h[W_VEC / 2])  codes -> fp16 pairs (dequant_vec is then these, widened)
 //   h2_elem(p, hi)  the element pair p's low (hi = 0) or high half holds
 //   W_ABS_MAX       the largest |value| dequant_h2 yields (bounds the fp16 sums)
+//   W_H2_UNIT       what a code of value 1 decodes to in the pairs (a power of two, undone in
+//                   fp32 by dot_h2 and the widening; 1 but for e2m1 through e4m3)
 // M = WMat<K, N, E> describes the matrix: row length K, rows per expert N, experts E; `row` counts
 // rows across experts (expert e's row n is e * N + n), `vec` 16-byte vectors along the row.
 //

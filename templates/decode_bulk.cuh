@@ -216,17 +216,28 @@ struct BkDnScales {
 // here also upwards so that small rows keep fp16's precision. The others get the fp32 rows.
 // Consumer threads only; a consumer barrier follows.
 __device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, float* ms, int* mexp, int cw, int lane) {
+    // A row's lane share is held in registers between its max and its conversion where it is
+    // small (the second pass was a second round of loads).
     if constexpr (BK_DN_H2) {
+        constexpr int Q = W_VEC / 4;  // float4 per vector
+        constexpr bool HOLD = VPL_I * Q <= 16;
         uint4* mh = reinterpret_cast<uint4*>(ms);
         for (int s = cw; s < TOP_K; s += DW) {
             const float4* row = reinterpret_cast<const float4*>(mid + (long)s * MID_ROW);
+            auto at = [&](int v, int k) { return row + (v >> 5) * Q * 32 + 32 * k + (v & 31); };
+            float4 held[HOLD ? VPL_I * Q : 1];
             unsigned mx = 0;
-            for (int v = lane; v < NV_I; v += 32) {
 #pragma unroll
-                for (int k = 0; k < W_VEC / 4; ++k) {
-                    const float4 f = __ldg(row + (v >> 5) * (W_VEC / 4) * 32 + 32 * k + (v & 31));
-                    mx = max(max(__float_as_uint(fabsf(f.x)), __float_as_uint(fabsf(f.y))), mx);
-                    mx = max(max(__float_as_uint(fabsf(f.z)), __float_as_uint(fabsf(f.w))), mx);
+            for (int i = 0; i < VPL_I; ++i) {
+                const int v = i * 32 + lane;
+                if (v < NV_I) {
+#pragma unroll
+                    for (int k = 0; k < Q; ++k) {
+                        const float4 f = __ldg(at(v, k));
+                        if constexpr (HOLD) held[i * Q + k] = f;
+                        mx = max(max(__float_as_uint(fabsf(f.x)), __float_as_uint(fabsf(f.y))), mx);
+                        mx = max(max(__float_as_uint(fabsf(f.z)), __float_as_uint(fabsf(f.w))), mx);
+                    }
                 }
             }
             mx = __reduce_max_sync(MOE_FULL_MASK, mx);
@@ -234,13 +245,20 @@ __device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, floa
             const int k = min(max((int)(mx >> 23) - 126 - X_H2_LOG2_LIMIT, -100), 100);
             if (lane == 0) mexp[s] = k;
             const float sc = __uint_as_float((unsigned)(127 - k) << 23);
-            for (int v = lane; v < NV_I; v += 32) {
-                const float4* q = row + (v >> 5) * (W_VEC / 4) * 32 + (v & 31);
+            auto get = [&](int i, int q) {
+                if constexpr (HOLD) return held[i * Q + q];
+                else return __ldg(at(i * 32 + lane, q));
+            };
 #pragma unroll
-                for (int qd = 0; qd < W_VEC / 8; ++qd) {
-                    const float4 a = __ldg(q + 32 * (2 * qd)), b = __ldg(q + 32 * (2 * qd + 1));
-                    const float f[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-                    mh[((s * VPL_I + (v >> 5)) * (W_VEC / 8) + qd) * 32 + (v & 31)] = h2_quad(f, sc);
+            for (int i = 0; i < VPL_I; ++i) {
+                const int v = i * 32 + lane;
+                if (v < NV_I) {
+#pragma unroll
+                    for (int qd = 0; qd < W_VEC / 8; ++qd) {
+                        const float4 a = get(i, 2 * qd), b = get(i, 2 * qd + 1);
+                        const float f[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+                        mh[((s * VPL_I + i) * (W_VEC / 8) + qd) * 32 + lane] = h2_quad(f, sc);
+                    }
                 }
             }
         }

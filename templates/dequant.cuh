@@ -36,6 +36,12 @@ __device__ __forceinline__ void dequant_setup() {}
 
 #ifdef MOE_W_H2
 constexpr bool W_H2 = true;
+#ifdef MOE_W_H2_UNIT
+constexpr float W_H2_UNIT = MOE_W_H2_UNIT;
+#undef MOE_W_H2_UNIT
+#else
+constexpr float W_H2_UNIT = 1.0f;
+#endif
 // Codecs with a pair decode: the fp32 values are the pairs, widened.
 __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, float (&w)[W_VEC]) {
     __half2 h[W_VEC / 2];
@@ -43,14 +49,15 @@ __device__ __forceinline__ void dequant_vec(const uint4 v, const WScale& ws, flo
 #pragma unroll
     for (int p = 0; p < W_VEC / 2; ++p) {
         const float2 f = __half22float2(h[p]);
-        w[h2_elem(p, 0)] = f.x;
-        w[h2_elem(p, 1)] = f.y;
+        w[h2_elem(p, 0)] = f.x * (1.0f / W_H2_UNIT);
+        w[h2_elem(p, 1)] = f.y * (1.0f / W_H2_UNIT);
     }
 }
 #else
 // No packed-half decode for this format and variant: gate_up's dot products stay in fp32.
 constexpr bool W_H2 = false;
 constexpr float W_ABS_MAX = 1.0f;
+constexpr float W_H2_UNIT = 1.0f;
 __device__ __forceinline__ constexpr int h2_elem(int p, int hi) { return 2 * p + hi; }
 __device__ __forceinline__ void dequant_h2(const uint4, const WScale&, __half2 (&)[W_VEC / 2]) {}
 #endif

@@ -11,9 +11,12 @@ __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int 
     const long i = row * (M::K / 16) + vec * W_GROUPS;
     return WScale{ __ldg(reinterpret_cast<const unsigned short*>(body + i)) };
 }
+// Both groups' scales in one cvt.rn.f16x2.e4m3x2 (the same conversion for g = 0 and 1, so the
+// compiler keeps one).
 __device__ __forceinline__ float group_scale(const WScale& ws, int g) {
-    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)((ws.b >> (8 * g)) & 0xffu), __NV_E4M3);
-    return __half2float(__half(h));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)ws.b, __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    return g == 0 ? f.x : f.y;
 }
 template <class M>
 __device__ __forceinline__ float row_scale(const void* scales, long row) {

@@ -194,7 +194,7 @@ __device__ __forceinline__ float dot_h2(const __half2 (&w)[W_VEC / 2], const __h
             t += d;
         }
     }
-    return t;
+    return t * (1.0f / W_H2_UNIT);
 }
 
 // W_VEC activations of token t starting at vector v, as fp32: from the staged copy when there is
