@@ -53,19 +53,12 @@ __device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2
         // of `od` element 2j + 1 (nibble 2j + 1: bits 4-6 -> 2-4, sign bit 7 stays).
         const unsigned ev = ((x << 2) & 0x1c1c1c1cu) | ((x << 4) & 0x80808080u);
         const unsigned od = ((x >> 2) & 0x1c1c1c1cu) | (x & 0x80808080u);
-        unsigned r[4];
-        asm("{ .reg .b16 e0, e1, o0, o1;\n"
-            "  mov.b32 { e0, e1 }, %4;\n"
-            "  mov.b32 { o0, o1 }, %5;\n"
-            "  cvt.rn.f16x2.e4m3x2 %0, e0;\n"
-            "  cvt.rn.f16x2.e4m3x2 %1, e1;\n"
-            "  cvt.rn.f16x2.e4m3x2 %2, o0;\n"
-            "  cvt.rn.f16x2.e4m3x2 %3, o1;\n"
-            "}"
-            : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-            : "r"(ev), "r"(od));
+        const unsigned pairs[4] = { ev & 0xffffu, ev >> 16, od & 0xffffu, od >> 16 };
 #pragma unroll
-        for (int j = 0; j < 4; ++j) h[4 * i + j] = u32_as_h2(r[j]);
+        for (int j = 0; j < 4; ++j) {
+            __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pairs[j], __NV_E4M3);
+            h[4 * i + j] = *reinterpret_cast<__half2*>(&r);
+        }
 {%- else %}
         // cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a): one byte, two codes, low nibble to the low half.
         unsigned r[4];

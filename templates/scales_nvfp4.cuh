@@ -14,8 +14,8 @@ __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int 
 // Both groups' scales in one cvt.rn.f16x2.e4m3x2 (the same conversion for g = 0 and 1, so the
 // compiler keeps one).
 __device__ __forceinline__ float group_scale(const WScale& ws, int g) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)ws.b, __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)ws.b, __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
     return g == 0 ? f.x : f.y;
 }
 template <class M>

@@ -56,7 +56,7 @@ mod expand;
 /// `top_k > experts`, a size the format's 16-byte vector or scale group does not divide
 /// (`hidden = 2056` with `fp8_e4m3`), an unknown format, dequant variant, activation, dtype, arch
 /// or family, a dequant variant the format lacks (at `dequant`) or a declared arch lacks (at the
-/// arch: `dequant = hardware` for FP4 on `sm_90a`).
+/// arch; every target arch has every variant of its formats today).
 ///
 /// ```compile_fail
 /// # use moeforge::moe_kernel;

@@ -29,7 +29,7 @@ pub(crate) struct GptOss;
 #[moe_kernel(hidden = 2880, intermediate = 2880, experts = 32, top_k = 4, format = mxfp4)]
 struct GptOssMxfp4;
 
-/// A named dequant variant, Blackwell only (the hardware FP4 decode).
+/// A named dequant variant (the hardware FP4 decode; on sm_90a through e4m3).
 #[moe_kernel(
     hidden = 2048,
     intermediate = 768,
@@ -70,7 +70,8 @@ fn spec_holds_the_declared_values() {
 
     assert_eq!(GptOssMxfp4::SPEC.weight_format(), WeightFormat::Mxfp4);
     assert_eq!(GptOssMxfp4::SPEC.dequant(), None);
-    assert_eq!(GptOssMxfp4::SPEC.dequant_for(Arch::Sm90a), Ok(DequantVariant::Bits));
+    assert_eq!(GptOssMxfp4::SPEC.dequant_for(Arch::Sm90a), Ok(DequantVariant::Hardware));
+    assert_eq!(GptOssMxfp4::SPEC.dequant_for(Arch::Sm120a), Ok(DequantVariant::Bits));
     assert_eq!(Qwen3Nvfp4Hw::SPEC.dequant(), Some(DequantVariant::Hardware));
     assert_eq!(Qwen3Nvfp4Hw::SPEC.id(), "h2048_i768_e128_k8_nvfp4_bf16_silu_hardware");
     assert_eq!(
