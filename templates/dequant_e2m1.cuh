@@ -53,12 +53,8 @@ __device__ __forceinline__ void dequant_h2(const uint4 v, const WScale&, __half2
         // of `od` element 2j + 1 (nibble 2j + 1: bits 4-6 -> 2-4, sign bit 7 stays).
         const unsigned ev = ((x << 2) & 0x1c1c1c1cu) | ((x << 4) & 0x80808080u);
         const unsigned od = ((x >> 2) & 0x1c1c1c1cu) | (x & 0x80808080u);
-        const unsigned pairs[4] = { ev & 0xffffu, ev >> 16, od & 0xffffu, od >> 16 };
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pairs[j], __NV_E4M3);
-            h[4 * i + j] = *reinterpret_cast<__half2*>(&r);
-        }
+        e4m3x4_to_h2(ev, h[4 * i], h[4 * i + 1]);
+        e4m3x4_to_h2(od, h[4 * i + 2], h[4 * i + 3]);
 {%- else %}
         // cvt.rn.f16x2.e2m1x2 (sm_100a / sm_120a): one byte, two codes, low nibble to the low half.
         unsigned r[4];
