@@ -7,7 +7,7 @@ struct WScale {
 };
 template <class M>
 __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
-    const long i = (row / 128) * (M::K / 128) + (vec * W_VEC) / 128;
+    const long i = (row >> 7) * (M::K / 128) + (vec * W_VEC) / 128;  // rows are non-negative
     return WScale{ __ldg(reinterpret_cast<const float*>(scales) + i) };
 }
 __device__ __forceinline__ float group_scale(const WScale& ws, int) { return ws.s; }
