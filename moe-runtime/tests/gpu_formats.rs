@@ -15,9 +15,7 @@
 //!   weights (asserted: relative L2 <= 5e-3, cosine >= 0.99999) for M = 1, 8, 64, fused and split;
 //!   the error against the original f32 weights is printed, not asserted.
 
-use moe_codegen::{
-    render, render_dequant_probe, DequantVariant, KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES,
-};
+use moe_codegen::{render, render_dequant_probe, KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use moe_runtime::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use moe_runtime::reference::{compare, moe_forward, moe_forward_f32};
 use moe_runtime::testing::{fresh_seed, random_f32_weights, random_packed, random_step};
