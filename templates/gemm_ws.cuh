@@ -23,6 +23,10 @@ struct WsShape {
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int NF = BN / 8;  // n8 fragments of a consumer's m64nBN accumulator
     static constexpr int ACC = NF * 4;
+    // FP8 reduces each k-tile into a partial accumulator before scaling it into acc; past 128
+    // columns the two would not fit in registers, so it takes the columns in two halves.
+    static constexpr int HALVES = (FP8 && BN > 128) ? 2 : 1;
+    static constexpr int NFH = NF / HALVES;  // fragments per half
     static constexpr int A_ROWS = BM / 16;  // rows each producer thread gathers per stage (8 chunks of 16 B per row)
 };
 
@@ -96,7 +100,10 @@ __device__ __forceinline__ void set_max_regs_inc() {
 //   a_any                      any readable address (the source of zero-filled padding rows)
 //   b_load(item, kt, dst, bar, rank)  one thread: TMA this block's share of the item's B k-tile
 //                              (BN x 128 bytes; with clusters multicast, see tma_load_tile)
-//   promote(item, kt, part, acc, row0)  FP8: fold the k-tile's partial sums into acc
+//   kscale(item, kt, row0)     FP8: the k-tile's scales (loaded before its MMAs, which hide
+//                              their latency)
+//   promote(sc, half, part, acc)  FP8: fold the partial sums of half `half` of the k-tile's
+//                              columns (fragments half * NFH ..) into acc with the scales sc
 //   epilogue(item, acc, row0)  consumer: the accumulator, rows row0 + lane / 4 (+ 8) of the tile
 // A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
 // padding rows close a tile; with clusters, also a whole padding tile) keeps the barrier
@@ -106,10 +113,10 @@ __device__ __forceinline__ void set_max_regs_inc() {
 // Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers,
 // item_full[2] and item_free[2] mbarriers, the item of each stage (-1: no more work) and the
 // producer's two item slots.
-template <int BN, int KT, class Item, class ARow, class BLoad, class Promote, class Epilogue>
+template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, const int* __restrict__ sorted_rows,
-                                        Item item, ARow a_row, const char* a_any, BLoad b_load, Promote promote,
-                                        Epilogue epilogue) {
+                                        Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
+                                        Promote promote, Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -225,28 +232,37 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 continue;
             }
             float acc[S::ACC];
-            float part[FP8 ? S::ACC : 1];
+            float part[FP8 ? S::NFH * 4 : 1];
             if (FP8)
 #pragma unroll
                 for (int j = 0; j < S::ACC; ++j) acc[j] = 0.f;
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
+                const auto sc = kscale(it, kt, row0);
                 if (kt > 0) mbar_wait(full(st), (s / STAGES) & 1);
                 fence_async_smem();  // A arrived through the generic proxy (cp.async); wgmma reads via the async one
                 const unsigned sa = base + st * S::STAGE_BYTES, sb = sa + S::A_BYTES;
-                float* d = FP8 ? part : acc;
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < 4; ++ks)  // FP8 starts each k-tile afresh; 16-bit only the item
-                    Wgmma<BN>::mma(d, wgmma_desc(sa + a_off + 32 * ks), wgmma_desc(sb + 32 * ks),
-                                   ks > 0 || (!FP8 && kt > 0));
-                wgmma_commit();
                 if (FP8) {
-                    wgmma_wait0();
-                    release(st);
-                    promote(it, kt, part, acc, row0);
+                    // Each half afresh, then scaled into acc while the other warpgroup's MMAs run.
+#pragma unroll
+                    for (int half = 0; half < S::HALVES; ++half) {
+                        wgmma_fence();
+#pragma unroll
+                        for (int ks = 0; ks < 4; ++ks)
+                            Wgmma<BN / S::HALVES>::mma(part, wgmma_desc(sa + a_off + 32 * ks),
+                                                       wgmma_desc(sb + half * (BN / S::HALVES) * BK_BYTES + 32 * ks), ks > 0);
+                        wgmma_commit();
+                        wgmma_wait0();
+                        if (half == S::HALVES - 1) release(st);
+                        promote(sc, half, part, acc);
+                    }
                 } else {
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < 4; ++ks)  // the item's first MMA starts acc afresh
+                        Wgmma<BN>::mma(acc, wgmma_desc(sa + a_off + 32 * ks), wgmma_desc(sb + 32 * ks), ks > 0 || kt > 0);
+                    wgmma_commit();
                     // Keep this k-tile's MMAs in flight; the previous one's are done with its stage.
                     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                     if (kt > 0) release((s - 1) % STAGES);

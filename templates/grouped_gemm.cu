@@ -26,6 +26,10 @@ constexpr int KT1 = HIDDEN * ELEM_BYTES / 128;  // k-tiles of GEMM1 (K = hidden)
 constexpr int KT2 = INTER * ELEM_BYTES / 128;   // k-tiles of GEMM2 (K = intermediate)
 static_assert(HIDDEN * ELEM_BYTES % 128 == 0 && INTER * ELEM_BYTES % 128 == 0, "whole k-tiles");
 static_assert(INTER % (BN1 / 2) == 0 && HIDDEN % BN2 == 0, "whole column tiles");
+// fp8 on the warp-specialised pipeline with 128 intermediate columns per GEMM1 tile: GEMM1's
+// epilogue quantizes them itself (one 128-column block per row), so mid is written once, in e4m3.
+constexpr bool MID_FP8 = {{ mid_fp8 }};
+static_assert(!MID_FP8 || (FP8 && MOE_WS && BN1 == 256), "a whole 128-column block per GEMM1 tile");
 constexpr int NT1 = INTER / (BN1 / 2);
 constexpr int NT2 = HIDDEN / BN2;
 constexpr int ELEMWISE_THREADS = 256;
@@ -147,6 +151,24 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
     *reinterpret_cast<unsigned*>(mid + (long)row * INTER + n) = *reinterpret_cast<const unsigned*>(v);
 }
 
+// The SwiGLU of a thread's 2 x NQ neurons of one row (pairs n0 + 8 q, + 1), rounded to act_t.
+template <int NQ>
+__device__ __forceinline__ void swiglu_row(float (&v)[NQ][2], int n0, int e, const float* acc, int h,
+                                           const float* __restrict__ w13_scales) {
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+        const int n = n0 + 8 * q;
+        float sg[2] = {1.f, 1.f}, su[2] = {1.f, 1.f};
+        if (WSCALE == 1) {
+            const float* s = w13_scales + (long)e * 2 * INTER;
+            sg[0] = s[n], sg[1] = s[n + 1], su[0] = s[INTER + n], su[1] = s[INTER + n + 1];
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            v[q][i] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h + i] * sg[i]) * (acc[(q + NQ) * 4 + 2 * h + i] * su[i]));
+    }
+}
+
 // GEMM2's outputs n, n + 1 of row pos (pair p): the routing weight (and per-channel scale), then
 // added into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or stored to the pair rows
 // rows[pos, n] in the activation dtype, which moe_combine_rows sums per token.
@@ -170,6 +192,11 @@ __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p
 }
 
 #if MOE_WS
+// FP8: a k-tile's activation x weight scales for a consumer thread's two rows and two column blocks.
+struct KScales {
+    float s[2][2];
+};
+
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. B stages hold
 // BN1 / 2 gate rows, then the same neurons' up rows (two TMA boxes), so a consumer thread holds
 // neuron n's gate in fragment q and its up in fragment q + NF / 2.
@@ -177,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
           const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
-          int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
+          float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using S = WsShape<BN1>;
     const int lane = threadIdx.x % 32;
     auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, tile_expert, num_tiles, rank); };
@@ -193,35 +220,69 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         for (int b = rank; b < 2; b += CLUSTER)
             tma_load_tile(dst + b * (BN1 / 2) * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + b * INTER, bar);
     };
-    auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
-        float sa[2];
+    // k-tile scales: s[h][b] for the thread's row h and the gate (b = 0) or up (1) columns.
+    auto kscale = [&](const Work& it, int kt, int row0) {
+        KScales k{};
+        if constexpr (FP8) {
+            const long n = (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
+            const float bg = WSCALE == 2 ? w13_scales[n / 128 * KT1 + kt] : 1.f;
+            const float bu = WSCALE == 2 ? w13_scales[(n + INTER) / 128 * KT1 + kt] : 1.f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int p = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
-            sa[h] = a_scales[(long)(p < 0 ? 0 : p / TOP_K) * KT1 + kt];
+            for (int h = 0; h < 2; ++h) {
+                const int p = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
+                const float sa = a_scales[(long)(p < 0 ? 0 : p / TOP_K) * KT1 + kt];
+                k.s[h][0] = sa * bg;
+                k.s[h][1] = sa * bu;
+            }
         }
-        const long n = (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
-        const float bg = WSCALE == 2 ? w13_scales[n / 128 * KT1 + kt] : 1.f;
-        const float bu = WSCALE == 2 ? w13_scales[(n + INTER) / 128 * KT1 + kt] : 1.f;
+        return k;
+    };
+    auto promote = [&](const KScales& k, int half, const float* pt, float* acc) {
 #pragma unroll
-        for (int nf = 0; nf < S::NF; ++nf)
+        for (int nf = 0; nf < S::NFH; ++nf) {
+            const int g = half * S::NFH + nf;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[nf * 4 + i] += pt[nf * 4 + i] * sa[i / 2] * (nf < S::NF / 2 ? bg : bu);
+            for (int i = 0; i < 4; ++i) acc[g * 4 + i] += pt[nf * 4 + i] * k.s[i / 2][g < S::NF / 2 ? 0 : 1];
+        }
     };
     // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
+        if constexpr (MID_FP8) {
+            // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
+            unsigned char* q8 = reinterpret_cast<unsigned char*>(mid);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
-            if (sorted_rows[row] < 0) continue;
+            for (int h = 0; h < 2; ++h) {
+                const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
+                float v[S::NF / 2][2];
+                swiglu_row<S::NF / 2>(v, it.nblk * 128 + 2 * (lane % 4), it.e, acc, h, w13_scales);
+                float amax = 0.f;
 #pragma unroll
-            for (int q = 0; q < S::NF / 2; ++q)
-                store_mid(mid, row, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e, acc + q * 4 + 2 * h,
-                          acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+                for (int q = 0; q < S::NF / 2; ++q) amax = fmaxf(amax, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
+                amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 1));
+                amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 2));
+                if (sorted_rows[row] < 0) continue;
+                const float scale = amax > 0.f ? amax / 448.f : 1.f;
+                const float inv = 1.f / scale;
+#pragma unroll
+                for (int q = 0; q < S::NF / 2; ++q)
+                    *reinterpret_cast<__nv_fp8x2_storage_t*>(q8 + (long)row * INTER + it.nblk * 128 + 8 * q + 2 * (lane % 4)) =
+                        __nv_cvt_float2_to_fp8x2(make_float2(v[q][0] * inv, v[q][1] * inv), __NV_SATFINITE, __NV_E4M3);
+                if (lane % 4 == 0) mid_scales[(long)row * (INTER / 128) + it.nblk] = scale;
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
+                if (sorted_rows[row] < 0) continue;
+#pragma unroll
+                for (int q = 0; q < S::NF / 2; ++q)
+                    store_mid(mid, row, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e, acc + q * 4 + 2 * h,
+                              acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+            }
         }
     };
     ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
-                      promote, epilogue);
+                      kscale, promote, epilogue);
 }
 
 template <bool ATOMIC>
@@ -244,13 +305,31 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         tma_load_tile(dst + rank * ROWS * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES),
                       it.e * HIDDEN + it.nblk * BN2 + rank * ROWS, bar);
     };
-    auto promote = [&](const Work& it, int kt, const float* pt, float* acc, int row0) {
-        const float b = WSCALE == 2 ? w2_scales[((long)it.e * HIDDEN + it.nblk * BN2) / 128 * KT2 + kt] : 1.f;
-        float sa[2];
+    // k-tile scales: s[h][b] for the thread's row h and the 128-column block b of the tile.
+    auto kscale = [&](const Work& it, int kt, int row0) {
+        KScales k{};
+        if constexpr (FP8) {
+            float b[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) sa[h] = a_scales[(long)(it.tile * BM + row0 + lane / 4 + 8 * h) * KT2 + kt] * b;
+            for (int j = 0; j < 2; ++j)  // a tile of 128 columns or fewer lies in one weight block
+                b[j] = WSCALE == 2 ? w2_scales[((long)it.e * HIDDEN + it.nblk * BN2 + (BN2 > 128 ? 128 * j : 0)) / 128 * KT2 + kt]
+                                   : 1.f;
 #pragma unroll
-        for (int j = 0; j < S::ACC; ++j) acc[j] += pt[j] * sa[(j % 4) / 2];
+            for (int h = 0; h < 2; ++h) {
+                const float sa = a_scales[(long)(it.tile * BM + row0 + lane / 4 + 8 * h) * KT2 + kt];
+                k.s[h][0] = sa * b[0];
+                k.s[h][1] = sa * b[1];
+            }
+        }
+        return k;
+    };
+    auto promote = [&](const KScales& k, int half, const float* pt, float* acc) {
+#pragma unroll
+        for (int nf = 0; nf < S::NFH; ++nf) {
+            const int g = half * S::NFH + nf;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[g * 4 + i] += pt[nf * 4 + i] * k.s[i / 2][8 * g / 128];
+        }
     };
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
         int pos[2], p[2];
@@ -294,7 +373,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         }
     };
     ws_gemm<BN2, KT2>(smem, *num_tiles / CLUSTER * NT2, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
-                      promote, epilogue);
+                      kscale, promote, epilogue);
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
@@ -304,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
           const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
-          int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
+          float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using T = TileShape<BN1>;
     const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();

@@ -47,6 +47,10 @@ pub struct GemmTiles {
     pub cluster: u32,
 }
 
+fn is_fp8(f: WeightFormat) -> bool {
+    matches!(f, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128)
+}
+
 /// Threads per block of the router (one warp per token).
 pub const ROUTE_THREADS: u32 = 128;
 /// Threads per block of the alignment kernels.
@@ -67,7 +71,7 @@ impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
     /// divides (else 64), one block per SM; wgmma on sm_90a.
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
-        let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+        let fp8 = is_fp8(spec.weight_format());
         let (h, i) = (spec.hidden(), spec.intermediate());
         let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
         let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
@@ -88,12 +92,14 @@ impl GemmTiles {
             };
         }
         if mma == Mma::Wgmma {
-            // fp8 keeps a second accumulator to scale each k-tile: 128-wide tiles, 6 stages of 32 KiB.
+            // fp8 reduces each k-tile into a second accumulator to scale it; 256-wide tiles take
+            // their columns in two halves of 128 (gemm_ws.cuh), 4 stages of 48 KiB. 128 x 128
+            // tiles moved as many bytes from L2 per FLOP as bf16's 128 x 256 at twice the rate.
             return GemmTiles {
                 bm: 128,
-                bn1: 2 * widest(i, &[64, 32]),
-                bn2: widest(h, &[128, 64]),
-                stages: 6,
+                bn1: 2 * widest(i, &[128, 64, 32]),
+                bn2: widest(h, &[256, 128, 64]),
+                stages: 4,
                 blocks_per_sm: 1,
                 mma,
                 warp_specialized: true,
@@ -134,6 +140,12 @@ impl GemmTiles {
     pub fn smem_bytes(&self, bn: u32) -> u32 {
         let barriers = if self.warp_specialized { 20 * self.stages + 8 + 32 } else { 0 };
         self.stages * (self.bm + bn) * BK_BYTES + 1024 + barriers
+    }
+
+    /// Whether GEMM1 quantizes the intermediate to e4m3 itself (fp8, warp-specialised, 128
+    /// intermediate columns per tile: one scale block per row), so no separate quantizer runs.
+    pub fn quantizes_mid(&self, spec: &MoeSpec) -> bool {
+        is_fp8(spec.weight_format()) && self.warp_specialized && self.bn1 == 256
     }
 
     /// Threads per GEMM block: warp-specialised, a producer warpgroup and two consumer
@@ -211,6 +223,7 @@ struct GroupedGemmCu {
     stages: u32,
     blocks_per_sm: u32,
     cluster: u32,
+    mid_fp8: bool,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -238,7 +251,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         )));
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
-    let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+    let fp8 = is_fp8(spec.weight_format());
     let inflight = (tiles.mma == Mma::Wgmma && !fp8) as u32;
     if tiles.bm != 128
         || tiles.stages < 2 + inflight
@@ -262,7 +275,12 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         WeightFormat::Fp8E4m3 => (1, "e4m3", 1),
         _ => (1, "e4m3", 2),
     };
-    let mut ns: Vec<u32> = vec![tiles.bn1, tiles.bn2];
+    // fp8 on the warp-specialised pipeline multiplies tiles over 128 columns in halves.
+    let mut ns: Vec<u32> = [tiles.bn1, tiles.bn2]
+        .into_iter()
+        .flat_map(|n| [n, if fp8 && tiles.warp_specialized && n > 128 { n / 2 } else { n }])
+        .collect();
+    ns.sort_unstable();
     ns.dedup();
     let router = match spec.router() {
         crate::Router::Softmax { renormalize } => {
@@ -310,6 +328,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         stages: tiles.stages,
         blocks_per_sm: tiles.blocks_per_sm,
         cluster: tiles.cluster,
+        mid_fp8: tiles.quantizes_mid(spec),
         elem_bytes,
         wscale,
         mma_type,

@@ -94,6 +94,8 @@ pub(crate) struct GroupedPath {
     pub tiles: GemmTiles,
     fns: Fns,
     fp8: bool,
+    /// GEMM1 writes the intermediate in e4m3 itself (`GemmTiles::quantizes_mid`).
+    mid_in_gemm1: bool,
     gemm1_blocks: u32,
     gemm2_blocks: u32,
     sms: u32,
@@ -157,6 +159,7 @@ impl GroupedPath {
             tiles,
             fns,
             fp8,
+            mid_in_gemm1: tiles.quantizes_mid(spec),
             gemm1_blocks,
             gemm2_blocks,
             sms: device.sm_count(),
@@ -195,7 +198,7 @@ impl GroupedPath {
             tile_span: stream.alloc_zeros(2 * max_tiles)?,
             num_tiles: stream.alloc_zeros(2)?,
             work_counters: stream.alloc_zeros(2)?,
-            mid: stream.alloc_zeros(rows * i * 2)?,
+            mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
             xq: stream.alloc_zeros(q(tokens * h))?,
             xs: stream.alloc_zeros(q(tokens * h / 128))?,
             midq: stream.alloc_zeros(q(rows * i))?,
@@ -281,7 +284,9 @@ impl GroupedPath {
                 launch(&self.fns.quant_x, stream, elementwise(m * h / 128 * 16), ELEMWISE_THREADS, 0, false, &mut args)?
             };
         }
-        let mut mid = ptr(&s.mid, stream);
+        // GEMM1's output: mid in the activation dtype, or already in e4m3 with its scales.
+        let (mut mid, mut mid_scales) =
+            if self.mid_in_gemm1 { (ptr(&s.midq, stream), ptr(&s.mids, stream)) } else { (ptr(&s.mid, stream), 0u64) };
         let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
         let nt1 = (spec.intermediate() / (self.tiles.bn1 / 2)) as usize;
         let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
@@ -315,13 +320,14 @@ impl GroupedPath {
                 arg(&mut w13),
                 arg(&mut w13s),
                 arg(&mut mid),
+                arg(&mut mid_scales),
                 arg(&mut counter1),
                 arg(&mut w13_map),
             ];
             self.launch_gemm(&self.fns.gemm1, stream, grid1, self.tiles.bn1, &mut args)?;
         }
-        let (mut a2, mut a2s) = (mid, 0u64);
-        if self.fp8 {
+        let (mut a2, mut a2s) = (mid, mid_scales);
+        if self.fp8 && !self.mid_in_gemm1 {
             let (mut mq, mut ms) = (ptr(&s.midq, stream), ptr(&s.mids, stream));
             a2 = mq;
             a2s = ms;
