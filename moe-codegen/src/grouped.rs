@@ -408,6 +408,28 @@ mod tests {
     }
 
     #[test]
+    fn fp8_on_hopper_takes_wide_tiles_in_halves_and_quantizes_mid_in_gemm1() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
+        let t = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert_eq!((t.bn1, t.bn2, t.warp_specialized), (256, 256, true));
+        assert!(t.quantizes_mid(&s));
+        let k = render_grouped(&s, Arch::Sm90a, t).unwrap();
+        // The 256-column accumulator and the 128-column partial it is built from.
+        assert!(k.source.contains("m64n256k32.f32.e4m3.e4m3") && k.source.contains("m64n128k32.f32.e4m3.e4m3"));
+        assert!(k.source.contains("constexpr bool MID_FP8 = true;"));
+        // 128-column tiles, the block-barrier pipeline and bf16 leave mid to moe_quant_mid (or bf16).
+        for t in [
+            GemmTiles { bn1: 128, bn2: 128, stages: 6, ..t },
+            GemmTiles { warp_specialized: false, bn1: 128, bn2: 128, ..t },
+        ] {
+            assert!(!t.quantizes_mid(&s));
+            assert!(render_grouped(&s, Arch::Sm90a, t).unwrap().source.contains("constexpr bool MID_FP8 = false;"));
+        }
+        let b = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        assert!(!GemmTiles::for_spec(&b, Arch::Sm90a).quantizes_mid(&b));
+    }
+
+    #[test]
     fn default_tiles_fit_each_archs_shared_memory() {
         // Opt-in shared memory per block: H100 / B200 227 KiB, RTX PRO 6000 (sm_120) 99 KiB.
         for (arch, max) in [(Arch::Sm90a, 232_448), (Arch::Sm100a, 232_448), (Arch::Sm120a, 101_376)] {
