@@ -196,6 +196,17 @@ __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p
 struct KScales {
     float s[2][2];
 };
+// acc += part p's partial sums (fragments p * NFH ..) scaled by s[row][column block], the blocks
+// BLOCK_COLS columns wide.
+template <int NFH, int BLOCK_COLS>
+__device__ __forceinline__ void promote_part(const KScales& k, int p, const float* pt, float* acc) {
+#pragma unroll
+    for (int nf = 0; nf < NFH; ++nf) {
+        const int g = p * NFH + nf;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[g * 4 + i] += pt[nf * 4 + i] * k.s[i / 2][8 * g / BLOCK_COLS];
+    }
+}
 
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. B stages hold
 // BN1 / 2 gate rows, then the same neurons' up rows (two TMA boxes), so a consumer thread holds
@@ -237,13 +248,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         }
         return k;
     };
-    auto promote = [&](const KScales& k, int half, const float* pt, float* acc) {
-#pragma unroll
-        for (int nf = 0; nf < S::NFH; ++nf) {
-            const int g = half * S::NFH + nf;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[g * 4 + i] += pt[nf * 4 + i] * k.s[i / 2][g < S::NF / 2 ? 0 : 1];
-        }
+    auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
+        promote_part<S::NFH, BN1 / 2>(k, p, pt, acc);  // the gate columns, then the up ones
     };
     // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
@@ -323,13 +329,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         }
         return k;
     };
-    auto promote = [&](const KScales& k, int half, const float* pt, float* acc) {
-#pragma unroll
-        for (int nf = 0; nf < S::NFH; ++nf) {
-            const int g = half * S::NFH + nf;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[g * 4 + i] += pt[nf * 4 + i] * k.s[i / 2][8 * g / 128];
-        }
+    auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
+        promote_part<S::NFH, 128>(k, p, pt, acc);  // the weights' 128-row blocks
     };
     auto epilogue = [&](const Work& it, const float* acc, int row0) {
         int pos[2], p[2];
