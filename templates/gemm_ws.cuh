@@ -5,7 +5,7 @@
 // producer threads' cp.async completions and the TMA's bytes) and an `empty` one (8 arrivals: the
 // consumer warps, once their MMAs have read it) replace the block barrier per k-tile, and the
 // producer runs ahead across tiles, so a tile's epilogue overlaps the next tile's loads.
-// Named barrier 1 syncs the producer warpgroup.
+// Named barrier 1 syncs the producer warpgroup, 2 and 3 each consumer warpgroup (stage_cols).
 // Clusters (CLUSTER = 2): the two blocks take the two row tiles of one cluster tile (same expert,
 // same column block) and each TMA-multicasts half of the weight k-tile into both blocks' stages,
 // so a weight tile leaves L2 once per two row tiles. A stage is refilled only when both blocks'
@@ -93,6 +93,27 @@ __device__ __forceinline__ void set_max_regs_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
+// Where the consumer warpgroups' per-column floats start: past the barriers and item slots.
+template <int BN>
+__device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
+    return (bars + 16 * STAGES + 32 + 4 * (STAGES + 2) + 15) & ~15u;
+}
+// A consumer warpgroup copies an item's BN per-column floats (src(j): columns j .. j + 3, 16-byte
+// aligned) into its `cols` by cp.async, in flight until cols_ready. Its warps first agree that
+// the previous item's epilogue is done reading them (named barriers 2 and 3, one per warpgroup).
+template <int BN, class Src>
+__device__ __forceinline__ void stage_cols(float* cols, Src src) {
+    static_assert(BN / 4 <= 128, "one 16-byte copy per thread");
+    const int t = threadIdx.x % 128;
+    asm volatile("bar.sync %0, 128;" ::"r"(threadIdx.x / 128 + 1) : "memory");
+    if (t < BN / 4) cp_async16(smem_u32(cols + 4 * t), src(4 * t), true);
+    cp_async_commit();
+}
+__device__ __forceinline__ void cols_ready() {
+    cp_async_wait<0>();
+    asm volatile("bar.sync %0, 128;" ::"r"(threadIdx.x / 128 + 1) : "memory");
+}
+
 // The tiles of `work` items (cluster tiles), each a BM x BN tile per block over KT k-tiles, taken
 // in order from a global counter (zero before launch) by whichever cluster is free: blocks that
 // share a weight tile (consecutive items, see work_item) then stream it at the same time, so it
@@ -106,19 +127,24 @@ __device__ __forceinline__ void set_max_regs_inc() {
 //                              their latency)
 //   promote(sc, half, part, acc)  FP8: fold the partial sums of half `half` of the k-tile's
 //                              columns (fragments half * NFH ..) into acc with the scales sc
-//   epilogue(item, acc, row0)  consumer: the accumulator, rows row0 + lane / 4 (+ 8) of the tile
+//   prepare(item, row0, cols)  consumer, at the item's start: issue what the epilogue reads
+//                              (row indices; per-column data into cols by stage_cols), so that
+//                              it arrives under the MMAs; returns it as an object for epilogue
+//   epilogue(item, acc, row0, ep, cols)  consumer: the accumulator, rows row0 + lane / 4 (+ 8)
+//                              of the tile
 // A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
 // padding rows close a tile; with clusters, also a whole padding tile) keeps the barrier
 // protocol but skips its MMAs and its epilogue.
 // Consumer accumulators are the wgmma m64nBN layout: fragment nf, element i holds row
 // row0 + lane / 4 + 8 (i / 2) and column 8 nf + 2 (lane % 4) + i % 2.
 // Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers,
-// item_full[2] and item_free[2] mbarriers, the item of each stage (-1: no more work) and the
-// producer's two item slots.
-template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Epilogue>
+// item_full[2] and item_free[2] mbarriers, the item of each stage (-1: no more work), the
+// producer's two item slots and each consumer warpgroup's BN per-column floats (`cols`).
+template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
+          class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, const int* __restrict__ sorted_rows,
                                         Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
-                                        Promote promote, Epilogue epilogue) {
+                                        Promote promote, Prepare prepare, Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -206,6 +232,10 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     } else {
         set_max_regs_inc<CONSUMER_REGS>();
         const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7
+        // This warpgroup's per-column floats (recomputed where used rather than held over the MMAs).
+        auto cols = [&] {
+            return reinterpret_cast<float*>(smem_raw + (ws_cols_addr<BN>(bars) - smem_u32(smem_raw))) + (cw / 4) * BN;
+        };
         const int row0 = (cw / 4) * 64 + (cw % 4) * 16;
         const unsigned a_off = (cw / 4) * 64 * BK_BYTES;
         // The stage may be refilled once every block's consumers are done with it (the blocks of
@@ -233,6 +263,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 }
                 continue;
             }
+            const auto ep = prepare(it, row0, cols());
             float acc[S::ACC];
             float part[FP8 ? S::NFH * 4 : 1];
             if (FP8)
@@ -274,7 +305,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 wgmma_wait0();
                 release((s - 1) % STAGES);
             }
-            epilogue(it, acc, row0);
+            epilogue(it, acc, row0, ep, cols());
         }
     }
     if (CLUSTER > 1) cluster_sync();

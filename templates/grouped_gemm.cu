@@ -1,6 +1,7 @@
 // moeforge grouped GEMM (prefill): {{ name }}
 // route -> align -> [quantize x] -> GEMM1 (w13, SwiGLU in the epilogue) -> [quantize mid]
-//       -> GEMM2 (w2, routing weight in the epilogue, combine by atomics or by rows) -> y.
+//       -> GEMM2 (w2; combine by atomics, routing weight in the epilogue, or by rows, weight in
+//          the gather-reduce) -> y.
 // Tokens are regrouped by expert into tiles of BM rows (align.cuh); a tile never mixes experts,
 // so each block's B operand is one expert's weights.
 #define MOE_WGMMA {{ wgmma }}
@@ -139,6 +140,12 @@ __device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict_
     return Work{tile, r / gs, tile_expert[tile]};
 }
 
+// Two adjacent activations, rounded to act_t, in one 4-byte store.
+__device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
+    const act_t pair[2] = {(act_t)a, (act_t)b};
+    *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(pair);
+}
+
 // SwiGLU of one thread's pair of adjacent neurons n, n + 1 in row `row` of mid.
 __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int n, int e, const float* g, const float* u,
                                           const float* __restrict__ w13_scales) {
@@ -147,35 +154,34 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
         const float* s = w13_scales + (long)e * 2 * INTER;
         sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
     }
-    act_t v[2] = {(act_t)(moe_act(g[0] * sg0) * (u[0] * su0)), (act_t)(moe_act(g[1] * sg1) * (u[1] * su1))};
-    *reinterpret_cast<unsigned*>(mid + (long)row * INTER + n) = *reinterpret_cast<const unsigned*>(v);
+    store_pair(mid + (long)row * INTER + n, moe_act(g[0] * sg0) * (u[0] * su0), moe_act(g[1] * sg1) * (u[1] * su1));
 }
 
-// The SwiGLU of a thread's 2 x NQ neurons of one row (pairs n0 + 8 q, + 1), rounded to act_t.
+// The SwiGLU of a thread's 2 x NQ neurons of one row (pairs n0 + 8 q, + 1 of the tile's gate
+// columns), rounded to act_t; with per-channel scales, gate and up scale column n of the tile at
+// cols[n] and cols[NQ * 8 + n].
 template <int NQ>
-__device__ __forceinline__ void swiglu_row(float (&v)[NQ][2], int n0, int e, const float* acc, int h,
-                                           const float* __restrict__ w13_scales) {
+__device__ __forceinline__ void swiglu_row(float (&v)[NQ][2], int n0, const float* acc, int h, const float* cols) {
 #pragma unroll
     for (int q = 0; q < NQ; ++q) {
         const int n = n0 + 8 * q;
-        float sg[2] = {1.f, 1.f}, su[2] = {1.f, 1.f};
+        float2 sg = make_float2(1.f, 1.f), su = sg;
         if (WSCALE == 1) {
-            const float* s = w13_scales + (long)e * 2 * INTER;
-            sg[0] = s[n], sg[1] = s[n + 1], su[0] = s[INTER + n], su[1] = s[INTER + n + 1];
+            sg = *reinterpret_cast<const float2*>(cols + n);
+            su = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
         }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            v[q][i] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h + i] * sg[i]) * (acc[(q + NQ) * 4 + 2 * h + i] * su[i]));
+        v[q][0] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x));
+        v[q][1] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y));
     }
 }
 
-// GEMM2's outputs n, n + 1 of row pos (pair p): the routing weight (and per-channel scale), then
-// added into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or stored to the pair rows
-// rows[pos, n] in the activation dtype, which moe_combine_rows sums per token.
+// GEMM2's outputs n, n + 1 of row pos (pair p), with the per-channel scale: added, times the
+// routing weight, into the f32 token rows y32[t, n] (ATOMIC; zeroed before) or stored to the pair
+// rows rows[pos, n] in the activation dtype, which moe_combine_rows weighs and sums per token.
 template <bool ATOMIC>
 __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p, int e, int n, float a0, float a1,
                                           const float* __restrict__ topk_weights, const float* __restrict__ w2_scales) {
-    const float rw = topk_weights[p];
+    const float rw = ATOMIC ? topk_weights[p] : 1.f;
     float2 v = make_float2(a0 * rw, a1 * rw);
     if (WSCALE == 1) {
         v.x *= w2_scales[(long)e * HIDDEN + n];
@@ -185,9 +191,7 @@ __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p
         float* dst = static_cast<float*>(out) + (long)(p / TOP_K) * HIDDEN + n;
         asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
     } else {
-        const act_t pair[2] = {(act_t)v.x, (act_t)v.y};
-        *reinterpret_cast<unsigned*>(static_cast<act_t*>(out) + (long)pos * HIDDEN + n) =
-            *reinterpret_cast<const unsigned*>(pair);
+        store_pair(static_cast<act_t*>(out) + (long)pos * HIDDEN + n, v.x, v.y);
     }
 }
 
@@ -251,44 +255,54 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, BN1 / 2>(k, p, pt, acc);  // the gate columns, then the up ones
     };
-    // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
-    auto epilogue = [&](const Work& it, const float* acc, int row0) {
-        if constexpr (MID_FP8) {
-            // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
-            unsigned char* q8 = reinterpret_cast<unsigned char*>(mid);
+    // Whether the thread's two rows hold pairs, and the tile's gate then up column scales.
+    struct Epi {
+        bool live[2];
+    };
+    auto prepare = [&](const Work& it, int row0, float* cols) {
+        Epi ep;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
-                float v[S::NF / 2][2];
-                swiglu_row<S::NF / 2>(v, it.nblk * 128 + 2 * (lane % 4), it.e, acc, h, w13_scales);
+        for (int h = 0; h < 2; ++h) ep.live[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h] >= 0;
+        if constexpr (WSCALE == 1)
+            stage_cols<BN1>(cols, [&](int j) {
+                return w13_scales + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
+            });
+        return ep;
+    };
+    // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols) {
+        if constexpr (WSCALE == 1) cols_ready();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long row = it.tile * BM + row0 + lane / 4 + 8 * h;
+            float v[S::NF / 2][2];
+            swiglu_row<S::NF / 2>(v, 2 * (lane % 4), acc, h, cols);
+            if constexpr (MID_FP8) {
+                // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
                 float amax = 0.f;
 #pragma unroll
                 for (int q = 0; q < S::NF / 2; ++q) amax = fmaxf(amax, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 2));
-                if (sorted_rows[row] < 0) continue;
+                if (!ep.live[h]) continue;
                 const float scale = amax > 0.f ? amax / 448.f : 1.f;
                 const float inv = 1.f / scale;
+                unsigned char* q8 = reinterpret_cast<unsigned char*>(mid) + row * INTER + it.nblk * 128 + 2 * (lane % 4);
 #pragma unroll
                 for (int q = 0; q < S::NF / 2; ++q)
-                    *reinterpret_cast<__nv_fp8x2_storage_t*>(q8 + (long)row * INTER + it.nblk * 128 + 8 * q + 2 * (lane % 4)) =
+                    *reinterpret_cast<__nv_fp8x2_storage_t*>(q8 + 8 * q) =
                         __nv_cvt_float2_to_fp8x2(make_float2(v[q][0] * inv, v[q][1] * inv), __NV_SATFINITE, __NV_E4M3);
-                if (lane % 4 == 0) mid_scales[(long)row * (INTER / 128) + it.nblk] = scale;
-            }
-        } else {
+                if (lane % 4 == 0) mid_scales[row * (INTER / 128) + it.nblk] = scale;
+            } else {
+                if (!ep.live[h]) continue;
+                act_t* dst = mid + row * INTER + it.nblk * (BN1 / 2) + 2 * (lane % 4);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = it.tile * BM + row0 + lane / 4 + 8 * h;
-                if (sorted_rows[row] < 0) continue;
-#pragma unroll
-                for (int q = 0; q < S::NF / 2; ++q)
-                    store_mid(mid, row, it.nblk * (BN1 / 2) + 8 * q + 2 * (lane % 4), it.e, acc + q * 4 + 2 * h,
-                              acc + (q + S::NF / 2) * 4 + 2 * h, w13_scales);
+                for (int q = 0; q < S::NF / 2; ++q) store_pair(dst + 8 * q, v[q][0], v[q][1]);
             }
         }
     };
     ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
-                      kscale, promote, epilogue);
+                      kscale, promote, prepare, epilogue);
 }
 
 template <bool ATOMIC>
@@ -332,49 +346,67 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, 128>(k, p, pt, acc);  // the weights' 128-row blocks
     };
-    auto epilogue = [&](const Work& it, const float* acc, int row0) {
-        int pos[2], p[2];
-        float rw[2];
+    // The pairs of the thread's two rows (-1: padding) and the tile's per-channel scales.
+    struct Epi {
+        int p[2];
+    };
+    auto prepare = [&](const Work& it, int row0, float* cols) {
+        Epi ep;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            pos[h] = it.tile * BM + row0 + lane / 4 + 8 * h;
-            p[h] = sorted_rows[pos[h]];
-            rw[h] = p[h] < 0 ? 0.f : topk_weights[p[h]];
-        }
+        for (int h = 0; h < 2; ++h) ep.p[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
+        if constexpr (WSCALE == 1)
+            stage_cols<BN2>(cols, [&](int j) { return w2_scales + (long)it.e * HIDDEN + it.nblk * BN2 + j; });
+        return ep;
+    };
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols) {
+        if constexpr (WSCALE == 1) cols_ready();
+        auto scale = [&](int n) {  // the scales of the thread's columns n, n + 1 of the tile
+            return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + n) : make_float2(1.f, 1.f);
+        };
         if (!ATOMIC) {
+            // The routing weight is applied by the combine (moe_combine_rows).
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                if (p[h] >= 0)
+            for (int h = 0; h < 2; ++h) {
+                if (ep.p[h] < 0) continue;
+                act_t* dst = static_cast<act_t*>(out) + (long)(it.tile * BM + row0 + lane / 4 + 8 * h) * HIDDEN +
+                             it.nblk * BN2 + 2 * (lane % 4);
 #pragma unroll
-                    for (int nf = 0; nf < S::NF; ++nf)
-                        store_out<false>(out, pos[h], p[h], it.e, it.nblk * BN2 + 8 * nf + 2 * (lane % 4),
-                                         acc[nf * 4 + 2 * h], acc[nf * 4 + 2 * h + 1], topk_weights, w2_scales);
+                for (int nf = 0; nf < S::NF; ++nf) {
+                    const float2 sc = scale(8 * nf + 2 * (lane % 4));
+                    store_pair(dst + 8 * nf, acc[nf * 4 + 2 * h] * sc.x, acc[nf * 4 + 2 * h + 1] * sc.y);
+                }
+            }
             return;
         }
+        float rw[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) rw[h] = ep.p[h] < 0 ? 0.f : topk_weights[ep.p[h]];
         // Lanes 2j and 2j + 1 trade halves so that each adds four adjacent columns of one row
         // (the even lane row h = 0, the odd one row h = 1) with one red.v4: half the atomics.
         const int odd = lane & 1;
+        const int po = odd ? ep.p[1] : ep.p[0];  // selects, not an indexed (local-memory) array
 #pragma unroll
         for (int nf = 0; nf < S::NF; ++nf) {
-            const int n = it.nblk * BN2 + 8 * nf + 2 * (lane % 4);
+            const int n = 8 * nf + 2 * (lane % 4);
+            const float2 sc = scale(n);
             float v[2][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    v[h][i] = acc[nf * 4 + 2 * h + i] * rw[h] * (WSCALE == 1 ? w2_scales[(long)it.e * HIDDEN + n + i] : 1.f);
-            const float r0 = __shfl_xor_sync(MOE_FULL_MASK, v[1 - odd][0], 1);
-            const float r1 = __shfl_xor_sync(MOE_FULL_MASK, v[1 - odd][1], 1);
-            if (p[odd] < 0) continue;
+            for (int h = 0; h < 2; ++h) {
+                v[h][0] = acc[nf * 4 + 2 * h] * rw[h] * sc.x;
+                v[h][1] = acc[nf * 4 + 2 * h + 1] * rw[h] * sc.y;
+            }
+            const float r0 = __shfl_xor_sync(MOE_FULL_MASK, odd ? v[0][0] : v[1][0], 1);
+            const float r1 = __shfl_xor_sync(MOE_FULL_MASK, odd ? v[0][1] : v[1][1], 1);
+            if (po < 0) continue;
             const float4 q = odd ? make_float4(r0, r1, v[1][0], v[1][1]) : make_float4(v[0][0], v[0][1], r0, r1);
-            float* dst = static_cast<float*>(out) + (long)(p[odd] / TOP_K) * HIDDEN + n - 2 * odd;
+            float* dst = static_cast<float*>(out) + (long)(po / TOP_K) * HIDDEN + it.nblk * BN2 + n - 2 * odd;
             asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4 };" ::"l"(dst), "f"(q.x), "f"(q.y), "f"(q.z),
                          "f"(q.w)
                          : "memory");
         }
     };
     ws_gemm<BN2, KT2>(smem, *num_tiles / CLUSTER * NT2, work_counter, sorted_rows, item, a_row, (const char*)a, b_load,
-                      kscale, promote, epilogue);
+                      kscale, promote, prepare, epilogue);
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
@@ -449,7 +481,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     }
 }
 
-// GEMM2: out = weight_p * (mid[pos] . w2_n) for the pair p in row pos (store_out).
+// GEMM2: out = mid[pos] . w2_n for the pair p in row pos, times weight_p when added atomically
+// (store_out).
 template <bool ATOMIC>
 __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
@@ -528,9 +561,11 @@ moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, con
 }
 
 // The gather-reduce combine (deterministic): y[t] = sum over slots s, in slot order and in f32,
-// of rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns (16-byte loads).
+// of topk_weights[t * K + s] * rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns
+// (16-byte loads).
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos, int m, act_t* __restrict__ y) {
+moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos,
+                 const float* __restrict__ topk_weights, int m, act_t* __restrict__ y) {
     static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
     const long n = (long)m * HIDDEN / 8;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
@@ -540,10 +575,11 @@ moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_po
         for (int s = 0; s < TOP_K; ++s) {
             const int pos = pair_pos[t * TOP_K + s];
             if (pos < 0) continue;
+            const float w = topk_weights[t * TOP_K + s];
             const uint4 v = *reinterpret_cast<const uint4*>(rows + (long)pos * HIDDEN + c);
             const act_t* e = reinterpret_cast<const act_t*>(&v);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) sum[j] += (float)e[j];
+            for (int j = 0; j < 8; ++j) sum[j] += w * (float)e[j];
         }
         act_t out[8];
 #pragma unroll

@@ -612,7 +612,7 @@ mod tests {
             "constexpr int TOP_K = 8;",
             "typedef __nv_bfloat16 act_t;",
             "constexpr int W_VEC = 8;",
-            "return g / (1.0f + __expf(-g));",
+            "return __fdividef(g, 1.0f + __expf(-g));",
         ] {
             assert!(k.source.contains(needle), "missing {needle}");
         }

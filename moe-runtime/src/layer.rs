@@ -389,7 +389,7 @@ impl MoeLayer {
 
     /// How the grouped path combines expert outputs into token rows. `true` (the default): GEMM2
     /// stores each (token, slot) row in the activation dtype and `moe_combine_rows` sums a
-    /// token's rows in slot order in f32, bit-reproducible run to run. `false`: GEMM2 adds into
+    /// token's rows, times their routing weights, in slot order in f32, bit-reproducible run to run. `false`: GEMM2 adds into
     /// f32 token rows with `red.global.add.v4.f32`, then converts. The gather-reduce measured
     /// faster on the H100 (Qwen3-30B-A3B bf16 M = 4096: 788 against 918 us; Mixtral-8x7B even),
     /// top-8 routing being 8 atomics per output.

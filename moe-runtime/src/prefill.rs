@@ -364,7 +364,7 @@ impl GroupedPath {
         let mut y = p.y;
         unsafe {
             if deterministic {
-                let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut m32), arg(&mut y)];
+                let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut weights), arg(&mut m32), arg(&mut y)];
                 launch(&self.fns.combine_rows, stream, elementwise(m * h / 8), ELEMWISE_THREADS, 0, false, &mut args)?;
             } else {
                 let mut args = [arg(&mut out32), arg(&mut m32), arg(&mut y)];
