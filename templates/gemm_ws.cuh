@@ -96,7 +96,7 @@ __device__ __forceinline__ void set_max_regs_inc() {
 // Where the consumer warpgroups' per-column floats start: past the barriers and item slots.
 template <int BN>
 __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
-    return (bars + 16 * STAGES + 32 + 4 * (STAGES + 2) + 15) & ~15u;
+    return (bars + 32 * STAGES + 32 + 8 + 15) & ~15u;
 }
 // A consumer warpgroup copies an item's BN per-column floats (src(j): columns j .. j + 3, 16-byte
 // aligned) into its `cols` by cp.async, in flight until cols_ready. Its warps first agree that
@@ -138,12 +138,11 @@ __device__ __forceinline__ void cols_ready() {
 // Consumer accumulators are the wgmma m64nBN layout: fragment nf, element i holds row
 // row0 + lane / 4 + 8 (i / 2) and column 8 nf + 2 (lane % 4) + i % 2.
 // Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers,
-// item_full[2] and item_free[2] mbarriers, the item of each stage (-1: no more work), the
+// item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots and each consumer warpgroup's BN per-column floats (`cols`).
 template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
-__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, const int* __restrict__ sorted_rows,
-                                        Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
+__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
                                         Promote promote, Prepare prepare, Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -152,8 +151,16 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     auto empty = [&](int st) { return bars + 8 * (STAGES + st); };
     auto item_full = [&](int slot) { return bars + 16 * STAGES + 8 * slot; };
     auto item_free = [&](int slot) { return bars + 16 * STAGES + 16 + 8 * slot; };
-    volatile int* stage_item = reinterpret_cast<volatile int*>(smem_raw + (bars + 16 * STAGES + 32 - smem_u32(smem_raw)));
-    volatile int* next_item = stage_item + STAGES;
+    // Each stage's work item as the producer resolved it, so that consumers start an item without
+    // global loads: live bit h = rows 64 h .. of the tile hold pairs; live = -1: no more work.
+    using It = decltype(item(0, 0));
+    struct StageItem {
+        int live;
+        It it;
+    };
+    static_assert(sizeof(StageItem) <= 16, "a 16-byte slot per stage");
+    StageItem* stage_item = reinterpret_cast<StageItem*>(smem_raw + (bars + 16 * STAGES + 32 - smem_u32(smem_raw)));
+    volatile int* next_item = reinterpret_cast<volatile int*>(smem_raw + (bars + 32 * STAGES + 32 - smem_u32(smem_raw)));
     const int rank = CLUSTER > 1 ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
@@ -197,11 +204,11 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             const int w = next_item[slot];
             // Every producer thread has read the previous slot (it passed this barrier since).
             if (CLUSTER > 1 && t == 0 && i > 0) mbar_arrive_cluster(cluster_addr(item_free(slot ^ 1), 0));
-            if (w >= work) {  // tell the consumers: a stage with no data and item -1
+            if (w >= work) {  // tell the consumers: a stage with no data and live = -1
                 const int st = s % STAGES;
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
                 if (t == 0) {
-                    stage_item[st] = -1;
+                    stage_item[st].live = -1;
                     mbar_arrive(full(st));
                 }
                 mbar_arrive(full(st));
@@ -217,7 +224,8 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
                 const unsigned sa = base + st * S::STAGE_BYTES;
                 if (t == 0) {
-                    stage_item[st] = w;
+                    // Thread 0 holds rows 0 and 64 (padding rows close a tile).
+                    if (kt == 0) stage_item[st] = StageItem{(rows[0] != nullptr) | (rows[4] != nullptr) << 1, it};
                     mbar_arrive_expect_tx(full(st), S::B_BYTES);  // both blocks' shares land here
                     b_load(it, kt, sa + S::A_BYTES, full(st), rank);
                 }
@@ -252,10 +260,10 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         int s = 0;
         for (;;) {
             mbar_wait(full(s % STAGES), (s / STAGES) & 1);
-            const int w = stage_item[s % STAGES];
-            if (w < 0) break;
-            const auto it = item(w, rank);
-            if (sorted_rows[it.tile * BM + row0 - row0 % 64] < 0) {
+            const StageItem si = stage_item[s % STAGES];
+            if (si.live < 0) break;
+            const It it = si.it;
+            if (!((si.live >> (cw / 4)) & 1)) {
 #pragma unroll 1
                 for (int kt = 0; kt < KT; ++kt, ++s) {
                     if (kt > 0) mbar_wait(full(s % STAGES), (s / STAGES) & 1);
