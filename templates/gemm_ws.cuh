@@ -98,6 +98,72 @@ template <int BN>
 __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
     return (bars + 32 * STAGES + 32 + 8 + 15) & ~15u;
 }
+// Each consumer warp's 2 KiB for staging its output rows (store_warp_rows), past the cols.
+template <int BN>
+__device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
+    return ws_cols_addr<BN>(bars) + 2 * BN * 4 + (threadIdx.x / 32 - 4) * 2048;
+}
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+// A warp's 16 rows x 8 NQ columns in the accumulator layout (val(q, h): columns 8 q + 2 (lane % 4)
+// + 0, 1 of row lane / 4 + 8 h), rounded to act_t and written to global memory 16 bytes at a time:
+// 64 columns at once go through the warp's 2 KiB at `buf` (stmatrix, rows 128 bytes apart with
+// their 16-byte chunks swizzled by the row), then each lane stores 4 rows' chunks. dst(r): where
+// row r's first column goes, null to skip it (called once per row by every lane). Four times
+// fewer stores than the 4-byte pairs of the fragments, which held the store queue.
+template <int NQ, class Val, class Dst>
+__device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) {
+    static_assert(sizeof(act_t) == 2, "16-bit values");
+    const int lane = threadIdx.x % 32;
+    if constexpr (NQ % 8 != 0) {  // narrower than a chunk: the fragments' pairs as they are
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            act_t* row = dst(lane / 4 + 8 * h);
+#pragma unroll
+            for (int q = 0; q < NQ; ++q) {
+                const float2 v = val(q, h);
+                if (row) store_pair(row + 8 * q + 2 * (lane % 4), v.x, v.y);
+            }
+        }
+        return;
+    }
+    act_t* rows[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) rows[k] = dst(lane / 8 + 4 * k);
+    const int mrow = (lane / 8 % 2) * 8 + lane % 8;  // stmatrix: lanes 8 m .. address matrix m's rows
+#pragma unroll
+    for (int ch = 0; ch < NQ / 8; ++ch) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // Matrices (q, rows 0-7), (q, rows 8-15), (q + 1, rows 0-7), (q + 1, rows 8-15).
+            unsigned r[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float2 v = val(8 * ch + 2 * j + m / 2, m % 2);
+                const act_t pair[2] = {(act_t)v.x, (act_t)v.y};
+                r[m] = *reinterpret_cast<const unsigned*>(pair);
+            }
+            const int chunk = 2 * j + lane / 16;
+            stmatrix_x4(buf + mrow * 128 + ((chunk ^ (mrow & 7)) << 4), r);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int row = lane / 8 + 4 * k, c = lane % 8;
+            const uint4 v = lds128(buf + row * 128 + ((c ^ (row & 7)) << 4));
+            if (rows[k]) *reinterpret_cast<uint4*>(rows[k] + 64 * ch + 8 * c) = v;
+        }
+        __syncwarp();
+    }
+}
 // A consumer warpgroup copies an item's BN per-column floats (src(j): columns j .. j + 3, 16-byte
 // aligned) into its `cols` by cp.async, in flight until cols_ready. Its warps first agree that
 // the previous item's epilogue is done reading them (named barriers 2 and 3, one per warpgroup).
@@ -130,8 +196,8 @@ __device__ __forceinline__ void cols_ready() {
 //   prepare(item, row0, cols)  consumer, at the item's start: issue what the epilogue reads
 //                              (row indices; per-column data into cols by stage_cols), so that
 //                              it arrives under the MMAs; returns it as an object for epilogue
-//   epilogue(item, acc, row0, ep, cols)  consumer: the accumulator, rows row0 + lane / 4 (+ 8)
-//                              of the tile
+//   epilogue(item, acc, row0, ep, cols, buf)  consumer: the accumulator, rows row0 + lane / 4
+//                              (+ 8) of the tile; buf: the warp's staging (store_warp_rows)
 // A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
 // padding rows close a tile; with clusters, also a whole padding tile) keeps the barrier
 // protocol but skips its MMAs and its epilogue.
@@ -139,7 +205,8 @@ __device__ __forceinline__ void cols_ready() {
 // row0 + lane / 4 + 8 (i / 2) and column 8 nf + 2 (lane % 4) + i % 2.
 // Shared memory: STAGES stages (1024-aligned), full[STAGES] and empty[STAGES] mbarriers,
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
-// producer's two item slots and each consumer warpgroup's BN per-column floats (`cols`).
+// producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
+// consumer warp's 2 KiB of output staging.
 template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
@@ -313,7 +380,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 wgmma_wait0();
                 release((s - 1) % STAGES);
             }
-            epilogue(it, acc, row0, ep, cols());
+            epilogue(it, acc, row0, ep, cols(), ws_out_addr<BN>(bars));
         }
     }
     if (CLUSTER > 1) cluster_sync();

@@ -43,6 +43,12 @@ struct alignas(64) TmaMap {
     unsigned long long opaque[16];
 };
 
+// Two adjacent activations, rounded to act_t, in one 4-byte store.
+__device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
+    const act_t pair[2] = {(act_t)a, (act_t)b};
+    *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(pair);
+}
+
 {% include "router.cuh" %}
 {% include "align.cuh" %}
 {% include "gemm_tile.cuh" %}
@@ -140,12 +146,6 @@ __device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict_
     return Work{tile, r / gs, tile_expert[tile]};
 }
 
-// Two adjacent activations, rounded to act_t, in one 4-byte store.
-__device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
-    const act_t pair[2] = {(act_t)a, (act_t)b};
-    *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(pair);
-}
-
 // SwiGLU of one thread's pair of adjacent neurons n, n + 1 in row `row` of mid.
 __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int n, int e, const float* g, const float* u,
                                           const float* __restrict__ w13_scales) {
@@ -157,22 +157,24 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
     store_pair(mid + (long)row * INTER + n, moe_act(g[0] * sg0) * (u[0] * su0), moe_act(g[1] * sg1) * (u[1] * su1));
 }
 
-// The SwiGLU of a thread's 2 x NQ neurons of one row (pairs n0 + 8 q, + 1 of the tile's gate
-// columns), rounded to act_t; with per-channel scales, gate and up scale column n of the tile at
-// cols[n] and cols[NQ * 8 + n].
+// The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
+// in q + NQ) in row h, rounded to act_t; with per-channel scales, gate and up scale column n of
+// the tile at cols[n] and cols[NQ * 8 + n].
 template <int NQ>
-__device__ __forceinline__ void swiglu_row(float (&v)[NQ][2], int n0, const float* acc, int h, const float* cols) {
-#pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int n = n0 + 8 * q;
-        float2 sg = make_float2(1.f, 1.f), su = sg;
-        if (WSCALE == 1) {
-            sg = *reinterpret_cast<const float2*>(cols + n);
-            su = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
-        }
-        v[q][0] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x));
-        v[q][1] = (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y));
+__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, int n, const float* cols) {
+    float2 sg = make_float2(1.f, 1.f), su = sg;
+    if (WSCALE == 1) {
+        sg = *reinterpret_cast<const float2*>(cols + n);
+        su = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
     }
+    return make_float2((float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
+                       (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
+}
+
+// Row r of a warp's 16 (lane / 4 + 8 h) from the lane that holds it: that lane's value x[h].
+__device__ __forceinline__ int from_row_owner(const int (&x)[2], int r) {
+    const int v0 = __shfl_sync(MOE_FULL_MASK, x[0], 4 * (r % 8)), v1 = __shfl_sync(MOE_FULL_MASK, x[1], 4 * (r % 8));
+    return r < 8 ? v0 : v1;
 }
 
 // GEMM2's outputs n, n + 1 of row pos (pair p), with the per-channel scale: added, times the
@@ -255,14 +257,14 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, BN1 / 2>(k, p, pt, acc);  // the gate columns, then the up ones
     };
-    // Whether the thread's two rows hold pairs, and the tile's gate then up column scales.
+    // The thread's two rows' pairs (-1: padding), and the tile's gate then up column scales.
     struct Epi {
-        bool live[2];
+        int p[2];
     };
     auto prepare = [&](const Work& it, int row0, float* cols) {
         Epi ep;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) ep.live[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h] >= 0;
+        for (int h = 0; h < 2; ++h) ep.p[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
         if constexpr (WSCALE == 1)
             stage_cols<BN1>(cols, [&](int j) {
                 return w13_scales + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
@@ -270,35 +272,42 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         return ep;
     };
     // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
-    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols) {
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols, unsigned buf) {
+        constexpr int NQ = S::NF / 2;
         if constexpr (WSCALE == 1) cols_ready();
+        if constexpr (MID_FP8) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const long row = it.tile * BM + row0 + lane / 4 + 8 * h;
-            float v[S::NF / 2][2];
-            swiglu_row<S::NF / 2>(v, 2 * (lane % 4), acc, h, cols);
-            if constexpr (MID_FP8) {
+            for (int h = 0; h < 2; ++h) {
+                float v[NQ][2];
+#pragma unroll
+                for (int q = 0; q < NQ; ++q) {
+                    const float2 g = swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols);
+                    v[q][0] = g.x, v[q][1] = g.y;
+                }
                 // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
                 float amax = 0.f;
 #pragma unroll
-                for (int q = 0; q < S::NF / 2; ++q) amax = fmaxf(amax, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
+                for (int q = 0; q < NQ; ++q) amax = fmaxf(amax, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 2));
-                if (!ep.live[h]) continue;
+                if (ep.p[h] < 0) continue;
                 const float scale = amax > 0.f ? amax / 448.f : 1.f;
                 const float inv = 1.f / scale;
+                const long row = it.tile * BM + row0 + lane / 4 + 8 * h;
                 unsigned char* q8 = reinterpret_cast<unsigned char*>(mid) + row * INTER + it.nblk * 128 + 2 * (lane % 4);
 #pragma unroll
-                for (int q = 0; q < S::NF / 2; ++q)
+                for (int q = 0; q < NQ; ++q)
                     *reinterpret_cast<__nv_fp8x2_storage_t*>(q8 + 8 * q) =
                         __nv_cvt_float2_to_fp8x2(make_float2(v[q][0] * inv, v[q][1] * inv), __NV_SATFINITE, __NV_E4M3);
                 if (lane % 4 == 0) mid_scales[row * (INTER / 128) + it.nblk] = scale;
-            } else {
-                if (!ep.live[h]) continue;
-                act_t* dst = mid + row * INTER + it.nblk * (BN1 / 2) + 2 * (lane % 4);
-#pragma unroll
-                for (int q = 0; q < S::NF / 2; ++q) store_pair(dst + 8 * q, v[q][0], v[q][1]);
             }
+        } else {
+            store_warp_rows<NQ>(
+                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols); },
+                [&](int r) -> act_t* {
+                    return from_row_owner(ep.p, r) < 0 ? nullptr
+                                                       : mid + (long)(it.tile * BM + row0 + r) * INTER + it.nblk * (BN1 / 2);
+                });
         }
     };
     ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
@@ -358,24 +367,24 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
             stage_cols<BN2>(cols, [&](int j) { return w2_scales + (long)it.e * HIDDEN + it.nblk * BN2 + j; });
         return ep;
     };
-    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols) {
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols, unsigned buf) {
         if constexpr (WSCALE == 1) cols_ready();
         auto scale = [&](int n) {  // the scales of the thread's columns n, n + 1 of the tile
             return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + n) : make_float2(1.f, 1.f);
         };
         if (!ATOMIC) {
             // The routing weight is applied by the combine (moe_combine_rows).
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (ep.p[h] < 0) continue;
-                act_t* dst = static_cast<act_t*>(out) + (long)(it.tile * BM + row0 + lane / 4 + 8 * h) * HIDDEN +
-                             it.nblk * BN2 + 2 * (lane % 4);
-#pragma unroll
-                for (int nf = 0; nf < S::NF; ++nf) {
-                    const float2 sc = scale(8 * nf + 2 * (lane % 4));
-                    store_pair(dst + 8 * nf, acc[nf * 4 + 2 * h] * sc.x, acc[nf * 4 + 2 * h + 1] * sc.y);
-                }
-            }
+            store_warp_rows<S::NF>(
+                buf,
+                [&](int q, int h) {
+                    const float2 sc = scale(8 * q + 2 * (lane % 4));
+                    return make_float2(acc[q * 4 + 2 * h] * sc.x, acc[q * 4 + 2 * h + 1] * sc.y);
+                },
+                [&](int r) -> act_t* {
+                    return from_row_owner(ep.p, r) < 0
+                               ? nullptr
+                               : static_cast<act_t*>(out) + (long)(it.tile * BM + row0 + r) * HIDDEN + it.nblk * BN2;
+                });
             return;
         }
         float rw[2];

@@ -137,9 +137,14 @@ impl GemmTiles {
     /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages, 1 KiB of alignment
     /// slack and (warp-specialised) a full and an empty mbarrier and a 16-byte item slot per stage, the
     /// producer's two item slots and their two pairs of mbarriers (the cluster's hand-over), and
-    /// from the next 16 bytes each consumer warpgroup's `bn` per-column f32 scales.
+    /// from the next 16 bytes each consumer warpgroup's `bn` per-column f32 scales and each
+    /// consumer warp's 2 KiB of output staging.
     pub fn smem_bytes(&self, bn: u32) -> u32 {
-        let ws = if self.warp_specialized { (32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 } else { 0 };
+        let ws = if self.warp_specialized {
+            (32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048
+        } else {
+            0
+        };
         self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws
     }
 
@@ -476,7 +481,7 @@ mod tests {
         let two_blocks = GemmTiles { blocks_per_sm: 2, ..ws };
         assert!(render_grouped(&s, Arch::Sm90a, two_blocks).is_err());
         // The barriers and item slots sit past the stages.
-        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4);
+        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048);
     }
 
     #[test]
