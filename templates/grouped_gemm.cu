@@ -290,17 +290,31 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 for (int q = 0; q < NQ; ++q) amax = fmaxf(amax, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, 2));
-                if (ep.p[h] < 0) continue;
                 const float scale = amax > 0.f ? amax / 448.f : 1.f;
                 const float inv = 1.f / scale;
-                const long row = it.tile * BM + row0 + lane / 4 + 8 * h;
-                unsigned char* q8 = reinterpret_cast<unsigned char*>(mid) + row * INTER + it.nblk * 128 + 2 * (lane % 4);
+                // The row's 128 bytes into the warp's staging (16-byte chunks swizzled by the row).
+                const int r = lane / 4 + 8 * h;
 #pragma unroll
-                for (int q = 0; q < NQ; ++q)
-                    *reinterpret_cast<__nv_fp8x2_storage_t*>(q8 + 8 * q) =
-                        __nv_cvt_float2_to_fp8x2(make_float2(v[q][0] * inv, v[q][1] * inv), __NV_SATFINITE, __NV_E4M3);
-                if (lane % 4 == 0) mid_scales[row * (INTER / 128) + it.nblk] = scale;
+                for (int q = 0; q < NQ; ++q) {
+                    const unsigned short b = __nv_cvt_float2_to_fp8x2(make_float2(v[q][0] * inv, v[q][1] * inv),
+                                                                      __NV_SATFINITE, __NV_E4M3);
+                    const unsigned a = buf + r * 128 + (((q / 2) ^ (r & 7)) << 4) + (q % 2) * 8 + 2 * (lane % 4);
+                    asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(b) : "memory");
+                }
+                if (lane % 4 == 0 && ep.p[h] >= 0)
+                    mid_scales[(long)(it.tile * BM + r + row0) * (INTER / 128) + it.nblk] = scale;
             }
+            // Then each lane stores 16-byte chunks of 4 of the warp's 16 rows.
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int r = lane / 8 + 4 * k, c = lane % 8;
+                const uint4 v = lds128(buf + r * 128 + ((c ^ (r & 7)) << 4));
+                if (from_row_owner(ep.p, r) >= 0)
+                    *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(mid) + (long)(it.tile * BM + row0 + r) * INTER +
+                                              it.nblk * 128 + 16 * c) = v;
+            }
+            __syncwarp();
         } else {
             store_warp_rows<NQ>(
                 buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols); },
