@@ -4,7 +4,8 @@
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
-//   tile_span[tile]             (first tile, tiles) of that expert, for the GEMMs' work order
+//   tile_span[tile]             (first tile, tiles, expert, 0) of that expert, for the GEMMs' work
+//                               order (one load resolves a work item)
 //   num_tiles[1]                the hot experts' tiles, which come first (align_layout)
 // Out-of-range ids are skipped and counted in *errors. `counts` and `done` are zero on entry to
 // moe_align_count, which leaves them zero for the next step.
@@ -15,12 +16,12 @@ static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
 // finish (a counter, `done`) then lays out the tiles (align_layout). Two kernels in all, so the
 // step pays one launch less than a separate scan.
 __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles);
+                             int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles);
 
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts, int* __restrict__ errors,
                 unsigned* __restrict__ done, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
+                int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int hist[EXPERTS];
     __shared__ bool last;
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) hist[e] = 0;
@@ -79,7 +80,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int& total) {
 // (-1) that close each expert's last tile. num_tiles = (tiles, hot tiles). Leaves counts zero for
 // the next step.
 __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                             int* __restrict__ tile_expert, int2* __restrict__ tile_span, int* __restrict__ num_tiles) {
+                             int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
     __shared__ int first_ord[EXPERTS], expert_ord[EXPERTS];  // in layout order
     const int tid = threadIdx.x;
@@ -117,7 +118,7 @@ __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor,
         }
         const int e = expert_ord[lo];
         tile_expert[j] = e;
-        tile_span[j] = make_int2(first_of[e], tiles_of[e]);
+        tile_span[j] = make_int4(first_of[e], tiles_of[e], e, 0);
     }
     // Padding: the last tiles * BM - count rows of each expert, fewer than BM * CLUSTER.
     for (int i = tid; i < EXPERTS * BM * CLUSTER; i += ALIGN_THREADS) {

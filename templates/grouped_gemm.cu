@@ -123,27 +123,28 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
 // The layout puts the hot experts' tiles (HOT_TILES or more) first; the counter's order deals
 // their items and the cold experts' evenly into each other, so that the cold items (a tile or two
 // against a whole weight column: DRAM-bound) run beside hot ones (tensor-bound) rather than all
-// together. tile_span[tile] = (first tile, tiles) of its expert; num_tiles = (tiles, hot tiles).
+// together. tile_span[tile] = (first tile, tiles, expert) of its expert; counts = num_tiles =
+// (tiles, hot tiles), loaded once per kernel: an item resolves with one dependent load.
 struct Work {
     int tile, nblk, e;
 };
-__device__ __forceinline__ Work work_item(int w, int nt, const int2* __restrict__ tile_span,
-                                          const int* __restrict__ tile_expert, const int* __restrict__ num_tiles,
-                                          int rank = 0) {
-    const long long hot = (long long)(num_tiles[1] / CLUSTER) * nt, all = (long long)(num_tiles[0] / CLUSTER) * nt;
+__device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
+    const long long hot = (long long)(counts.y / CLUSTER) * nt, all = (long long)(counts.x / CLUSTER) * nt;
     if (hot > 0 && hot < all) {
         // Of the first w items, hot_before are hot; item w is hot if the count steps past it.
         const long long hot_before = w * hot / all;
         w = (w + 1) * hot / all > hot_before ? (int)hot_before : (int)(hot + w - hot_before);
     }
-    const int2 sp = tile_span[w / nt * CLUSTER];
+    const int4 sp = tile_span[w / nt * CLUSTER];
     const int first = sp.x / CLUSTER, n = sp.y / CLUSTER;
     const int l = w - first * nt;
     const int g = l / (GROUP_TILES * nt);
     const int gs = min(GROUP_TILES, n - g * GROUP_TILES);
     const int r = l - g * GROUP_TILES * nt;
-    const int tile = (first + g * GROUP_TILES + r % gs) * CLUSTER + rank;
-    return Work{tile, r / gs, tile_expert[tile]};
+    return Work{(first + g * GROUP_TILES + r % gs) * CLUSTER + rank, r / gs, sp.z};
+}
+__device__ __forceinline__ int2 tile_counts(const int* __restrict__ num_tiles) {
+    return make_int2(num_tiles[0], num_tiles[1]);
 }
 
 // SwiGLU of one thread's pair of adjacent neurons n, n + 1 in row `row` of mid.
@@ -219,12 +220,13 @@ __device__ __forceinline__ void promote_part(const KScales& k, int p, const floa
 // neuron n's gate in fragment q and its up in fragment q + NF / 2.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
-          const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+          const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
           float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using S = WsShape<BN1>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, tile_expert, num_tiles, rank); };
+    const int2 counts = tile_counts(num_tiles);
+    auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, counts, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int p = sorted_rows[it.tile * BM + r];
         return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
@@ -324,19 +326,20 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1>(smem, *num_tiles / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN1, KT1>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 
 template <bool ATOMIC>
 __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
-                                      const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+                                      const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
                                       const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
                                       void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
-    auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, tile_expert, num_tiles, rank); };
+    const int2 counts = tile_counts(num_tiles);
+    auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, counts, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int pos = it.tile * BM + r;
@@ -428,7 +431,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2>(smem, *num_tiles / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN2, KT2>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 #else
@@ -437,14 +440,14 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 // so one thread holds a neuron's gate and up accumulators.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
-          const int* __restrict__ tile_expert, const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+          const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
           float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using T = TileShape<BN1>;
     const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const Work it = work_item(w, NT1, tile_span, tile_expert, num_tiles);
+        const Work it = work_item(w, NT1, tile_span, tile_counts(num_tiles));
         const int tile = it.tile, nb = it.nblk * (BN1 / 2), e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
@@ -509,14 +512,14 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
 template <bool ATOMIC>
 __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
-                                      const int2* __restrict__ tile_span, const int* __restrict__ num_tiles,
+                                      const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
                                       const void* __restrict__ w2, const float* __restrict__ w2_scales,
                                       const float* __restrict__ topk_weights, void* __restrict__ out) {
     using T = TileShape<BN2>;
     const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        const Work it = work_item(w, NT2, tile_span, tile_expert, num_tiles);
+        const Work it = work_item(w, NT2, tile_span, tile_counts(num_tiles));
         const int tile = it.tile, nb = it.nblk * BN2, e = it.e;
         const char* a_src[T::A_PER_THREAD];
         const char* b_src[T::B_PER_THREAD];
@@ -572,13 +575,13 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 #endif
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-                 const int2* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
+                 const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
                  const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
     gemm2<true>(MOE_GEMM2_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-               const int2* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
+               const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
                const float* topk_weights, act_t* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
     gemm2<false>(MOE_GEMM2_ARGS);
 }

@@ -36,7 +36,7 @@ pub struct Alignment {
     pub pair_pos: Vec<i32>,
     /// Expert of each tile.
     pub tile_expert: Vec<i32>,
-    /// (first tile, tiles) of each tile's expert, flattened.
+    /// (first tile, tiles, expert, 0) of each tile's expert, flattened.
     pub tile_span: Vec<i32>,
     /// Tiles in use.
     pub num_tiles: i32,
@@ -195,7 +195,7 @@ impl GroupedPath {
             cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
-            tile_span: stream.alloc_zeros(2 * max_tiles)?,
+            tile_span: stream.alloc_zeros(4 * max_tiles)?,
             num_tiles: stream.alloc_zeros(2)?,
             work_counters: stream.alloc_zeros(2)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
