@@ -199,6 +199,16 @@ __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p
 }
 
 #if MOE_WS
+// The pairs of a consumer thread's two rows of a tile, row0 + lane / 4 + 8 h (-1: padding).
+struct RowPairs {
+    int p[2];
+};
+__device__ __forceinline__ RowPairs row_pairs(const int* __restrict__ sorted_rows, int tile, int row0, int lane) {
+    RowPairs r;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r.p[h] = sorted_rows[tile * BM + row0 + lane / 4 + 8 * h];
+    return r;
+}
 // FP8: a k-tile's activation x weight scales for a consumer thread's two rows and two column blocks.
 struct KScales {
     float s[2][2];
@@ -259,14 +269,9 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, BN1 / 2>(k, p, pt, acc);  // the gate columns, then the up ones
     };
-    // The thread's two rows' pairs (-1: padding), and the tile's gate then up column scales.
-    struct Epi {
-        int p[2];
-    };
+    // The thread's rows' pairs, and the tile's gate then up column scales.
     auto prepare = [&](const Work& it, int row0, float* cols) {
-        Epi ep;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) ep.p[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
+        const RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
         if constexpr (WSCALE == 1)
             stage_cols<BN1>(cols, [&](int j) {
                 return w13_scales + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
@@ -274,7 +279,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         return ep;
     };
     // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
-    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols, unsigned buf) {
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
         constexpr int NQ = S::NF / 2;
         if constexpr (WSCALE == 1) cols_ready();
         if constexpr (MID_FP8) {
@@ -372,19 +377,14 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, 128>(k, p, pt, acc);  // the weights' 128-row blocks
     };
-    // The pairs of the thread's two rows (-1: padding) and the tile's per-channel scales.
-    struct Epi {
-        int p[2];
-    };
+    // The thread's rows' pairs and the tile's per-channel scales.
     auto prepare = [&](const Work& it, int row0, float* cols) {
-        Epi ep;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) ep.p[h] = sorted_rows[it.tile * BM + row0 + lane / 4 + 8 * h];
+        const RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
         if constexpr (WSCALE == 1)
             stage_cols<BN2>(cols, [&](int j) { return w2_scales + (long)it.e * HIDDEN + it.nblk * BN2 + j; });
         return ep;
     };
-    auto epilogue = [&](const Work& it, const float* acc, int row0, const Epi& ep, const float* cols, unsigned buf) {
+    auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
         if constexpr (WSCALE == 1) cols_ready();
         auto scale = [&](int n) {  // the scales of the thread's columns n, n + 1 of the tile
             return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + n) : make_float2(1.f, 1.f);
