@@ -1,6 +1,6 @@
 // Router: logits [M, E] f32 -> topk_ids [M, K] i32, topk_weights [M, K] f32. One warp per token;
-// the token's scores sit in shared memory. Choice is by score, ties to the lowest expert id;
-// a chosen (or excluded) expert is marked NaN, which never compares greater.
+// the token's scores sit in shared memory. Choice is by score, ties to the lowest expert id; an
+// excluded expert is marked NaN, and the choice runs on keys in registers (pick_topk).
 constexpr int ROUTE_WARPS = 4;
 #define MOE_INF __int_as_float(0x7f800000)
 #define MOE_NAN __int_as_float(0x7fffffff)
@@ -11,47 +11,51 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The best unmarked score of s[0, n) across the warp, ties to the lowest index; id = n if none.
-__device__ __forceinline__ void warp_argmax(const float* s, int n, float& best, int& id) {
-    best = -MOE_INF;
-    id = n;
-    for (int e = threadIdx.x % 32; e < n; e += 32) {
-        const float v = s[e];
-        if (!isnan(v) && (id == n || v > best)) {
-            best = v;
-            id = e;
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(MOE_FULL_MASK, best, o);
-        const int oid = __shfl_xor_sync(MOE_FULL_MASK, id, o);
-        if (oid != n && (id == n || ov > best || (ov == best && oid < id))) {
-            best = ov;
-            id = oid;
-        }
-    }
+// Scores as unsigned keys that order like the floats (-0 taken as +0, so equal scores tie); 0 for
+// a marked (NaN) or absent score, below every real one.
+__device__ __forceinline__ unsigned score_key(float v) {
+    if (isnan(v)) return 0u;
+    const unsigned u = __float_as_uint(v == 0.f ? 0.f : v);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ float key_score(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
 }
 
-// The TOP_K best of the scores s (each marked taken as it is chosen), weighted by weight(id, score),
-// written as token t's row: renormalised to sum 1 if asked, then times scale.
+// The TOP_K best of the scores s (NaN: excluded), weighted by weight(id, score), written as token
+// t's row: renormalised to sum 1 if asked, then times scale. Each lane keeps experts lane + 32 j as
+// keys; a round is one warp max (redux.sync) and a ballot per j for the lowest id that holds it.
 template <class Weight>
-__device__ __forceinline__ void pick_topk(float* s, int t, Weight weight, bool renormalize, float scale,
+__device__ __forceinline__ void pick_topk(const float* s, int t, Weight weight, bool renormalize, float scale,
                                           int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+    constexpr int J = (EXPERTS + 31) / 32;
     const int lane = threadIdx.x % 32;
+    unsigned key[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) key[j] = lane + 32 * j < EXPERTS ? score_key(s[lane + 32 * j]) : 0u;
     float w[TOP_K];
     int ids[TOP_K];
     float picked = 0.f;
 #pragma unroll
     for (int k = 0; k < TOP_K; ++k) {
-        float best;
-        int id;
-        warp_argmax(s, EXPERTS, best, id);
+        unsigned mine = 0u;
+#pragma unroll
+        for (int j = 0; j < J; ++j) mine = max(mine, key[j]);
+        const unsigned best = __reduce_max_sync(MOE_FULL_MASK, mine);
+        int id = EXPERTS;
+        if (best != 0u) {
+#pragma unroll
+            for (int j = J - 1; j >= 0; --j) {  // the lowest j that holds it wins
+                const unsigned b = __ballot_sync(MOE_FULL_MASK, key[j] == best);
+                if (b) id = 32 * j + __ffs(b) - 1;
+            }
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+                if (id == lane + 32 * j) key[j] = 0u;
+        }
         ids[k] = id;
-        w[k] = id < EXPERTS ? weight(id, best) : 0.f;
+        w[k] = id < EXPERTS ? weight(id, key_score(best)) : 0.f;
         picked += w[k];
-        if (lane == 0 && id < EXPERTS) s[id] = MOE_NAN;
-        __syncwarp();
     }
     if (lane == 0) {
 #pragma unroll
