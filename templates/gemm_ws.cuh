@@ -94,14 +94,13 @@ __device__ __forceinline__ void set_max_regs_inc() {
 }
 
 // Where the consumer warpgroups' per-column floats start: past the barriers and item slots.
-template <int BN>
 __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
     return (bars + 32 * STAGES + 32 + 8 + 15) & ~15u;
 }
 // Each consumer warp's 2 KiB for staging its output rows (store_warp_rows), past the cols.
 template <int BN>
 __device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
-    return ws_cols_addr<BN>(bars) + 2 * BN * 4 + (threadIdx.x / 32 - 4) * 2048;
+    return ws_cols_addr(bars) + 2 * BN * 4 + (threadIdx.x / 32 - 4) * 2048;
 }
 __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };" ::"r"(addr), "r"(r[0]), "r"(r[1]),
@@ -110,7 +109,10 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4
 }
 __device__ __forceinline__ uint4 lds128(unsigned addr) {
     uint4 v;
-    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
     return v;
 }
 // A warp's 16 rows x 8 NQ columns in the accumulator layout (val(q, h): columns 8 q + 2 (lane % 4)
@@ -209,8 +211,9 @@ __device__ __forceinline__ void cols_ready() {
 // consumer warp's 2 KiB of output staging.
 template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
-__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row, const char* a_any, BLoad b_load, KScale kscale,
-                                        Promote promote, Prepare prepare, Epilogue epilogue) {
+__device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
+                                        const char* a_any, BLoad b_load, KScale kscale, Promote promote,
+                                        Prepare prepare, Epilogue epilogue) {
     using S = WsShape<BN>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -309,7 +312,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7
         // This warpgroup's per-column floats (recomputed where used rather than held over the MMAs).
         auto cols = [&] {
-            return reinterpret_cast<float*>(smem_raw + (ws_cols_addr<BN>(bars) - smem_u32(smem_raw))) + (cw / 4) * BN;
+            return reinterpret_cast<float*>(smem_raw + (ws_cols_addr(bars) - smem_u32(smem_raw))) + (cw / 4) * BN;
         };
         const int row0 = (cw / 4) * 64 + (cw % 4) * 16;
         const unsigned a_off = (cw / 4) * 64 * BK_BYTES;
