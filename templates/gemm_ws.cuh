@@ -16,18 +16,19 @@
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
 static_assert(BM == 128 && GEMM_THREADS == 384, "a producer and two 64-row consumer warpgroups");
 
-template <int BN>
+template <int BN, bool PROMOTE = FP8>
 struct WsShape {
     static constexpr int A_BYTES = BM * BK_BYTES;
     static constexpr int B_BYTES = BN * BK_BYTES;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int NF = BN / 8;  // n8 fragments of a consumer's m64nBN accumulator
     static constexpr int ACC = NF * 4;
-    // FP8 reduces each k-tile into a partial accumulator before scaling it into acc; past 128
+    // PROMOTE (fp8 with scales that change along K) reduces each k-tile into a partial
+    // accumulator before scaling it into acc; past 128
     // columns the two would not fit in registers, so it takes the columns in two halves. (Parts
     // of 64 columns with two partials, one part's MMAs in flight while the previous one is
     // scaled, ran slower on the H100: Qwen3-30B-A3B fp8 at M = 4096 690-704 -> 780-793 us.)
-    static constexpr int HALVES = (FP8 && BN > 128) ? 2 : 1;
+    static constexpr int HALVES = (PROMOTE && BN > 128) ? 2 : 1;
     static constexpr int NFH = NF / HALVES;  // fragments per half
     static constexpr int A_ROWS = BM / 16;  // rows each producer thread gathers per stage (8 chunks of 16 B per row)
 };
@@ -191,9 +192,12 @@ __device__ __forceinline__ void cols_ready() {
 //   a_any                      any readable address (the source of zero-filled padding rows)
 //   b_load(item, kt, dst, bar, rank)  one thread: TMA this block's share of the item's B k-tile
 //                              (BN x 128 bytes; with clusters multicast, see tma_load_tile)
-//   kscale(item, kt, row0)     FP8: the k-tile's scales (loaded before its MMAs, which hide
+// PROMOTE: the scales change along K (fp8 with 128-wide activation or weight blocks), so each
+// k-tile's MMAs start a partial sum that is scaled into acc; otherwise (bf16, or fp8 with one
+// scale per row and per column) acc accumulates the whole of K and the epilogue scales it.
+//   kscale(item, kt, row0)     PROMOTE: the k-tile's scales (loaded before its MMAs, which hide
 //                              their latency)
-//   promote(sc, half, part, acc)  FP8: fold the partial sums of half `half` of the k-tile's
+//   promote(sc, half, part, acc)  PROMOTE: fold the partial sums of half `half` of the k-tile's
 //                              columns (fragments half * NFH ..) into acc with the scales sc
 //   prepare(item, row0, cols)  consumer, at the item's start: issue what the epilogue reads
 //                              (row indices; per-column data into cols by stage_cols), so that
@@ -209,12 +213,12 @@ __device__ __forceinline__ void cols_ready() {
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
 // consumer warp's 2 KiB of output staging.
-template <int BN, int KT, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
+template <int BN, int KT, bool PROMOTE, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
                                         Prepare prepare, Epilogue epilogue) {
-    using S = WsShape<BN>;
+    using S = WsShape<BN, PROMOTE>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
     auto full = [&](int st) { return bars + 8 * st; };
@@ -343,18 +347,18 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             }
             const auto ep = prepare(it, row0, cols());
             float acc[S::ACC];
-            float part[FP8 ? S::NFH * 4 : 1];
-            if (FP8)
+            float part[PROMOTE ? S::NFH * 4 : 1];
+            if (PROMOTE)
 #pragma unroll
                 for (int j = 0; j < S::ACC; ++j) acc[j] = 0.f;
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
-                const auto sc = kscale(it, kt, row0);
+                const auto sc = kscale(it, kt, row0);  // (a no-op without PROMOTE)
                 if (kt > 0) mbar_wait(full(st), (s / STAGES) & 1);
                 fence_async_smem();  // A arrived through the generic proxy (cp.async); wgmma reads via the async one
                 const unsigned sa = base + st * S::STAGE_BYTES, sb = sa + S::A_BYTES;
-                if (FP8) {
+                if constexpr (PROMOTE) {
                     // Each half afresh, then scaled into acc while the other warpgroup's MMAs run.
 #pragma unroll
                     for (int half = 0; half < S::HALVES; ++half) {
@@ -379,7 +383,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     if (kt > 0) release((s - 1) % STAGES);
                 }
             }
-            if (!FP8) {
+            if (!PROMOTE) {
                 wgmma_wait0();
                 release((s - 1) % STAGES);
             }

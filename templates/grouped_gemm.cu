@@ -30,6 +30,11 @@ static_assert(INTER % (BN1 / 2) == 0 && HIDDEN % BN2 == 0, "whole column tiles")
 // fp8 on the warp-specialised pipeline with 128 intermediate columns per GEMM1 tile: GEMM1's
 // epilogue quantizes them itself (one 128-column block per row), so mid is written once, in e4m3.
 constexpr bool MID_FP8 = {{ mid_fp8 }};
+// fp8 with per-channel weight scales: x takes one scale per token (over all of K), written per
+// sorted row; GEMM1's scales then do not change along K, so it accumulates the whole of K in
+// the MMAs' accumulator and scales the sums once, in its epilogue (no per-k-tile promotion).
+constexpr bool X_PER_ROW = {{ x_per_row }};
+static_assert(!X_PER_ROW || (FP8 && WSCALE == 1), "per-token activation scales go with per-channel weights");
 static_assert(!MID_FP8 || (FP8 && MOE_WS && BN1 == 256), "a whole 128-column block per GEMM1 tile");
 constexpr int NT1 = INTER / (BN1 / 2);
 constexpr int NT2 = HIDDEN / BN2;
@@ -55,6 +60,20 @@ __device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
 {% if ws == 1 %}{% include "mbarrier.cuh" %}{% include "gemm_ws.cuh" %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
+
+// Eight values times inv to e4m3 (saturating), packed in order.
+__device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {
+    unsigned packed[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const __nv_fp8x2_storage_t lo =
+            __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h] * inv, v[4 * h + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi =
+            __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2] * inv, v[4 * h + 3] * inv), __NV_SATFINITE, __NV_E4M3);
+        packed[h] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    return make_uint2(packed[0], packed[1]);
+}
 
 // Activations to e4m3 with one f32 scale per 128 along K (rows [rows, COLS] -> q, s [rows, COLS / 128]).
 // Half a warp quantizes one 128-element block, 16 bytes per lane. rows: `m`, or *num_tiles * BM
@@ -91,23 +110,50 @@ __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, 
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
         if (!live) continue;
         const float scale = amax > 0.f ? amax / 448.f : 1.f;
-        const float inv = 1.f / scale;
-        unsigned packed[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const __nv_fp8x2_storage_t lo =
-                __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h] * inv, v[4 * h + 1] * inv), __NV_SATFINITE, __NV_E4M3);
-            const __nv_fp8x2_storage_t hi =
-                __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2] * inv, v[4 * h + 3] * inv), __NV_SATFINITE, __NV_E4M3);
-            packed[h] = (unsigned)lo | ((unsigned)hi << 16);
-        }
-        *reinterpret_cast<uint2*>(q + row * COLS + blk * 128 + sub * 8) = make_uint2(packed[0], packed[1]);
+        *reinterpret_cast<uint2*>(q + row * COLS + blk * 128 + sub * 8) = pack_e4m3x8(v, 1.f / scale);
         if (sub == 0) s[row * (COLS / 128) + blk] = scale;
     }
 }
+// X_PER_ROW: x [m, HIDDEN] to e4m3 with one scale per token (a warp per token, reading its row
+// twice: for the amax, then to convert), the scale stored at each sorted row that holds one of
+// the token's pairs (pair_pos), where GEMM1 reads it.
+__device__ __forceinline__ void quant_tokens(const act_t* __restrict__ x, int m, const int* __restrict__ pair_pos,
+                                             unsigned char* __restrict__ q, float* __restrict__ s) {
+    static_assert(sizeof(act_t) == 2 && HIDDEN % 8 == 0, "8 activations per 16-byte load");
+    const int lane = threadIdx.x % 32;
+    const long warps = (long)gridDim.x * blockDim.x / 32;
+    for (long t = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; t < m; t += warps) {
+        const uint4* row = reinterpret_cast<const uint4*>(x + t * HIDDEN);
+        float amax = 0.f;
+        for (int c = lane; c < HIDDEN / 8; c += 32) {
+            const uint4 raw = row[c];
+            const act_t* e = reinterpret_cast<const act_t*>(&raw);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf((float)e[i]));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+        const float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+        for (int c = lane; c < HIDDEN / 8; c += 32) {
+            const uint4 raw = row[c];
+            const act_t* e = reinterpret_cast<const act_t*>(&raw);
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
+            *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
+        }
+        for (int j = lane; j < TOP_K; j += 32) {
+            const int pos = pair_pos[t * TOP_K + j];
+            if (pos >= 0) s[pos] = scale;
+        }
+    }
+}
+// x to e4m3 for GEMM1: per token (X_PER_ROW, scales by sorted row) or per 128 along K.
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_quant_x(const act_t* __restrict__ x, int m, unsigned char* __restrict__ q, float* __restrict__ s) {
-    quant_rows<HIDDEN>(x, m, nullptr, nullptr, q, s);
+moe_quant_x(const act_t* __restrict__ x, int m, const int* __restrict__ pair_pos, unsigned char* __restrict__ q,
+            float* __restrict__ s) {
+    if constexpr (X_PER_ROW) quant_tokens(x, m, pair_pos, q, s);
+    else quant_rows<HIDDEN>(x, m, nullptr, nullptr, q, s);
 }
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
@@ -160,13 +206,14 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
 
 // The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
 // in q + NQ) in row h, rounded to act_t; with per-channel scales, gate and up scale column n of
-// the tile at cols[n] and cols[NQ * 8 + n].
+// the tile at cols[n] and cols[NQ * 8 + n], and xs is the row's activation scale (X_PER_ROW).
 template <int NQ>
-__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, int n, const float* cols) {
-    float2 sg = make_float2(1.f, 1.f), su = sg;
+__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, int n, const float* cols, float xs) {
+    float2 sg = make_float2(xs, xs), su = sg;
     if (WSCALE == 1) {
-        sg = *reinterpret_cast<const float2*>(cols + n);
-        su = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
+        const float2 g = *reinterpret_cast<const float2*>(cols + n), u = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
+        sg = make_float2(g.x * xs, g.y * xs);
+        su = make_float2(u.x * xs, u.y * xs);
     }
     return make_float2((float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
                        (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
@@ -199,14 +246,16 @@ __device__ __forceinline__ void store_out(void* __restrict__ out, int pos, int p
 }
 
 #if MOE_WS
-// The pairs of a consumer thread's two rows of a tile, row0 + lane / 4 + 8 h (-1: padding).
+// The pairs of a consumer thread's two rows of a tile, row0 + lane / 4 + 8 h (-1: padding), and
+// (GEMM1 with X_PER_ROW) the rows' activation scales, else 1.
 struct RowPairs {
     int p[2];
+    float xs[2];
 };
 __device__ __forceinline__ RowPairs row_pairs(const int* __restrict__ sorted_rows, int tile, int row0, int lane) {
     RowPairs r;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) r.p[h] = sorted_rows[tile * BM + row0 + lane / 4 + 8 * h];
+    for (int h = 0; h < 2; ++h) r.p[h] = sorted_rows[tile * BM + row0 + lane / 4 + 8 * h], r.xs[h] = 1.f;
     return r;
 }
 // FP8: a k-tile's activation x weight scales for a consumer thread's two rows and two column blocks.
@@ -233,7 +282,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
           const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
           float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
-    using S = WsShape<BN1>;
+    constexpr bool PROMOTE = FP8 && !X_PER_ROW;
+    using S = WsShape<BN1, PROMOTE>;
     const int lane = threadIdx.x % 32;
     const int2 counts = tile_counts(num_tiles);
     auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, counts, rank); };
@@ -252,7 +302,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     // k-tile scales: s[h][b] for the thread's row h and the gate (b = 0) or up (1) columns.
     auto kscale = [&](const Work& it, int kt, int row0) {
         KScales k{};
-        if constexpr (FP8) {
+        if constexpr (PROMOTE) {
             const long n = (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
             const float bg = WSCALE == 2 ? w13_scales[n / 128 * KT1 + kt] : 1.f;
             const float bu = WSCALE == 2 ? w13_scales[(n + INTER) / 128 * KT1 + kt] : 1.f;
@@ -269,9 +319,12 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     auto promote = [&](const KScales& k, int p, const float* pt, float* acc) {
         promote_part<S::NFH, BN1 / 2>(k, p, pt, acc);  // the gate columns, then the up ones
     };
-    // The thread's rows' pairs, and the tile's gate then up column scales.
+    // The thread's rows' pairs (and activation scales), and the tile's gate then up column scales.
     auto prepare = [&](const Work& it, int row0, float* cols) {
-        const RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
+        RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
+        if constexpr (X_PER_ROW)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ep.xs[h] = a_scales[it.tile * BM + row0 + lane / 4 + 8 * h];
         if constexpr (WSCALE == 1)
             stage_cols<BN1>(cols, [&](int j) {
                 return w13_scales + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
@@ -288,7 +341,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 float v[NQ][2];
 #pragma unroll
                 for (int q = 0; q < NQ; ++q) {
-                    const float2 g = swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols);
+                    const float2 g = swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols, ep.xs[h]);
                     v[q][0] = g.x, v[q][1] = g.y;
                 }
                 // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
@@ -324,14 +377,14 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
             __syncwarp();
         } else {
             store_warp_rows<NQ>(
-                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols); },
+                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols, ep.xs[h]); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0 ? nullptr
                                                        : mid + (long)(it.tile * BM + row0 + r) * INTER + it.nblk * (BN1 / 2);
                 });
         }
     };
-    ws_gemm<BN1, KT1>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN1, KT1, PROMOTE>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 
@@ -431,7 +484,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN2, KT2, FP8>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 #else
@@ -466,12 +519,13 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         float part[FP8 ? T::ACC : 1];
 #pragma unroll
         for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
-        // FP8: fold each k-tile in with its activation scale (per row) and block weight scale.
+        // FP8: fold each k-tile in with its activation scale (per row) and block weight scale;
+        // X_PER_ROW: the row's one scale (by sorted row), else the token's per k-tile.
         const float* as[T::MF * 2];
 #pragma unroll
         for (int j = 0; j < T::MF * 2; ++j) {
-            const int p = sorted_rows[tile * BM + frag_row(row0, j / 2, 2 * (j % 2))];
-            as[j] = a_scales + (long)(p < 0 ? 0 : p / TOP_K) * KT1;
+            const int pos = tile * BM + frag_row(row0, j / 2, 2 * (j % 2)), p = sorted_rows[pos];
+            as[j] = X_PER_ROW ? a_scales + pos : a_scales + (long)(p < 0 ? 0 : p / TOP_K) * KT1;
         }
         const float* gate_bs = w13_scales + ((long)e * 2 * INTER + nb) / 128 * KT1;
         const float* up_bs = w13_scales + ((long)e * 2 * INTER + INTER + nb) / 128 * KT1;
@@ -481,7 +535,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
             for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float sa = as[2 * mf + h][kt];
+                    const float sa = as[2 * mf + h][X_PER_ROW ? 0 : kt];
 #pragma unroll
                     for (int nf = 0; nf < T::NF; ++nf)
 #pragma unroll

@@ -51,6 +51,15 @@ fn is_fp8(f: WeightFormat) -> bool {
     matches!(f, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128)
 }
 
+/// Whether the grouped family quantizes x to e4m3 with one scale per token (over all of the
+/// hidden size) rather than one per 128 along K: with per-channel weights, so that GEMM1's scales
+/// do not change along K and its tensor cores accumulate the whole of K before one scaling in the
+/// epilogue (the fast-accumulation choice of inference fp8 GEMMs), rather than waiting on every
+/// k-tile's MMAs to scale them.
+pub fn x_per_token(f: WeightFormat) -> bool {
+    f == WeightFormat::Fp8E4m3
+}
+
 /// Threads per block of the router (one warp per token).
 pub const ROUTE_THREADS: u32 = 128;
 /// Threads per block of the alignment kernels.
@@ -230,6 +239,7 @@ struct GroupedGemmCu {
     blocks_per_sm: u32,
     cluster: u32,
     mid_fp8: bool,
+    x_per_row: bool,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -258,7 +268,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
     let fp8 = is_fp8(spec.weight_format());
-    let inflight = (tiles.mma == Mma::Wgmma && !fp8) as u32;
+    // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
+    let unscaled = !fp8 || (x_per_token(spec.weight_format()) && tiles.warp_specialized);
+    let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
     if tiles.bm != 128
         || tiles.stages < 2 + inflight
         || tiles.stages > 16
@@ -335,6 +347,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         blocks_per_sm: tiles.blocks_per_sm,
         cluster: tiles.cluster,
         mid_fp8: tiles.quantizes_mid(spec),
+        x_per_row: x_per_token(f),
         elem_bytes,
         wscale,
         mma_type,
@@ -433,6 +446,23 @@ mod tests {
         }
         let b = spec(2048, 768, 128, 8, WeightFormat::Bf16);
         assert!(!GemmTiles::for_spec(&b, Arch::Sm90a).quantizes_mid(&b));
+    }
+
+    #[test]
+    fn per_channel_fp8_scales_x_per_token_and_keeps_mmas_in_flight() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
+        let t = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert!(x_per_token(s.weight_format()));
+        assert!(render_grouped(&s, Arch::Sm90a, t).unwrap().source.contains("constexpr bool X_PER_ROW = true;"));
+        // GEMM1 then holds a k-tile's MMAs in flight: one more stage than a promoting pipeline.
+        assert!(render_grouped(&s, Arch::Sm90a, GemmTiles { stages: 2, ..t }).is_err());
+        assert!(render_grouped(&s, Arch::Sm90a, GemmTiles { stages: 3, ..t }).is_ok());
+        // 128 x 128 blocks scale along K: x keeps a scale per 128, and two stages do.
+        let b = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3B128);
+        let tb = GemmTiles::for_spec(&b, Arch::Sm90a);
+        assert!(!x_per_token(b.weight_format()));
+        assert!(render_grouped(&b, Arch::Sm90a, tb).unwrap().source.contains("constexpr bool X_PER_ROW = false;"));
+        assert!(render_grouped(&b, Arch::Sm90a, GemmTiles { stages: 2, ..tb }).is_ok());
     }
 
     #[test]

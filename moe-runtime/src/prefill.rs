@@ -9,7 +9,7 @@ use crate::error::{Result, RuntimeError};
 use crate::layer::{launch, launch_attrs, launch_with, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::grouped::{ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
+use moe_codegen::grouped::{x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
 use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -77,7 +77,8 @@ struct Scratch {
     work_counters: CudaSlice<i32>,
     /// GEMM1 output `[max_rows, I]` in the activation dtype.
     mid: CudaSlice<u8>,
-    /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K.
+    /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K (x: or one per sorted row,
+    /// see `x_per_token`).
     xq: CudaSlice<u8>,
     xs: CudaSlice<f32>,
     midq: CudaSlice<u8>,
@@ -94,6 +95,8 @@ pub(crate) struct GroupedPath {
     pub tiles: GemmTiles,
     fns: Fns,
     fp8: bool,
+    /// x takes one scale per token, stored per sorted row (`moe_codegen::grouped::x_per_token`).
+    x_per_token: bool,
     /// GEMM1 writes the intermediate in e4m3 itself (`GemmTiles::quantizes_mid`).
     mid_in_gemm1: bool,
     gemm1_blocks: u32,
@@ -159,6 +162,7 @@ impl GroupedPath {
             tiles,
             fns,
             fp8,
+            x_per_token: x_per_token(spec.weight_format()),
             mid_in_gemm1: tiles.quantizes_mid(spec),
             gemm1_blocks,
             gemm2_blocks,
@@ -200,7 +204,7 @@ impl GroupedPath {
             work_counters: stream.alloc_zeros(2)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
             xq: stream.alloc_zeros(q(tokens * h))?,
-            xs: stream.alloc_zeros(q(tokens * h / 128))?,
+            xs: stream.alloc_zeros(q(if self.x_per_token { rows } else { tokens * h / 128 }))?,
             midq: stream.alloc_zeros(q(rows * i))?,
             mids: stream.alloc_zeros(q(rows * i / 128))?,
             // Either combine may run on scratch reserved for the gather-reduce one.
@@ -278,11 +282,10 @@ impl GroupedPath {
             let (mut xq, mut xs, mut x) = (ptr(&s.xq, stream), ptr(&s.xs, stream), p.x);
             a1 = xq;
             a1s = xs;
-            let mut args = [arg(&mut x), arg(&mut m32), arg(&mut xq), arg(&mut xs)];
-            // Half a warp per 128-element block.
-            unsafe {
-                launch(&self.fns.quant_x, stream, elementwise(m * h / 128 * 16), ELEMWISE_THREADS, 0, false, &mut args)?
-            };
+            let mut args = [arg(&mut x), arg(&mut m32), arg(&mut pos), arg(&mut xq), arg(&mut xs)];
+            // A warp per token, or half a warp per 128-element block.
+            let threads = if self.x_per_token { m * 32 } else { m * h / 128 * 16 };
+            unsafe { launch(&self.fns.quant_x, stream, elementwise(threads), ELEMWISE_THREADS, 0, false, &mut args)? };
         }
         // GEMM1's output: mid in the activation dtype, or already in e4m3 with its scales.
         let (mut mid, mut mid_scales) =

@@ -38,10 +38,13 @@ where
 }
 
 /// [`moe_forward`] as the grouped family computes it with fp8 weights: x and the intermediate
-/// (rounded to the activation dtype first) are quantized to e4m3 with one f32 scale per 128 along
-/// K, as `moe_quant_x` / `moe_quant_mid` do, before each GEMM.
+/// (rounded to the activation dtype first) are quantized to e4m3 before each GEMM, as
+/// `moe_quant_x` and GEMM1's epilogue (or `moe_quant_mid`) do: the intermediate with one f32 scale
+/// per 128 along K, x with one per token where the weights have per-channel scales
+/// ([`moe_codegen::grouped::x_per_token`]), else one per 128 too.
 pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
-    let xq = quant_e4m3_per128(x);
+    let x_group = if moe_codegen::grouped::x_per_token(spec.weight_format()) { spec.hidden() as usize } else { 128 };
+    let xq = quant_e4m3(x, x_group);
     let act = spec.act_dtype();
     forward_rows(
         spec,
@@ -52,18 +55,18 @@ pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i
         weights,
         |mid| {
             let rounded: Vec<f32> = mid.iter().map(|&v| act.round(v as f32)).collect();
-            for (m, q) in mid.iter_mut().zip(quant_e4m3_per128(&rounded)) {
+            for (m, q) in mid.iter_mut().zip(quant_e4m3(&rounded, 128)) {
                 *m = q as f64;
             }
         },
     )
 }
 
-/// Values after e4m3 quantization with one f32 scale (amax / 448) per 128 consecutive values.
-pub fn quant_e4m3_per128(v: &[f32]) -> Vec<f32> {
+/// Values after e4m3 quantization with one f32 scale (amax / 448) per `group` consecutive values.
+pub fn quant_e4m3(v: &[f32], group: usize) -> Vec<f32> {
     use moe_codegen::numerics::{e4m3_from_f32, e4m3_to_f32};
     let mut out = Vec::with_capacity(v.len());
-    for b in v.chunks(128) {
+    for b in v.chunks(group) {
         let amax = b.iter().fold(0f32, |a, &x| a.max(x.abs()));
         let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
         let inv = 1.0 / scale;
@@ -308,10 +311,14 @@ mod tests {
     #[test]
     fn fp8_activation_quantization_keeps_block_maxima() {
         let v: Vec<f32> = (0..256).map(|j| (j as f32 - 100.0) / 7.0).collect();
-        let q = quant_e4m3_per128(&v);
+        let q = quant_e4m3(&v, 128);
         assert_eq!(q[0], v[0]);
         assert!((q[255] - v[255]).abs() < 1e-5);
         let (rel, _) = compare(&q, &v.iter().map(|&x| x as f64).collect::<Vec<_>>());
         assert!(rel < 0.05 && rel > 0.0, "{rel}");
+        // One group over all of it: the overall maximum stays exact; the others round differently.
+        let q = quant_e4m3(&v, 256);
+        assert!((q[255] - v[255]).abs() < 1e-5);
+        assert_ne!(q, quant_e4m3(&v, 128));
     }
 }
