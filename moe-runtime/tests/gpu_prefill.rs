@@ -118,7 +118,7 @@ fn alignment_cases(k: usize, cluster: u32) {
     let e = 32usize;
     let mut rng = SmallRng::seed_from_u64(fresh_seed());
     for name in ["same_experts", "few_experts", "uniform"] {
-        for m in [1usize, 17, 128, 1000] {
+        for m in [1usize, 17, 128, 1000, 20000] {
             let ids = routing_case(name, m, e, k, &mut rng);
             let w = vec![1.0 / k as f32; m * k];
             let x = up(&layer, &bf(&vec![0.1; m * 256]));
@@ -223,25 +223,28 @@ fn geometry_cases(format: WeightFormat, ms: &[usize]) {
                 println!(
                     "{name:<14} {format:<14} m={m:<5} skew={skew:<4} rel_l2={rel:.3e} cos={cos:.8} seed={case_seed}"
                 );
-                let tol = tolerance(format);
-                assert!(rel <= tol && cos >= 0.9999, "{name} {format} m={m} skew={skew}: rel {rel:.3e} cos {cos:.8}");
+                let (tol, min_cos) = tolerance(format);
+                assert!(rel <= tol && cos >= min_cos, "{name} {format} m={m} skew={skew}: rel {rel:.3e} cos {cos:.8}");
             }
         }
     }
 }
 
-/// Relative L2 error allowed against the reference. FP8 is compared with a reference that
+/// Relative L2 error and least cosine allowed against the reference. FP8 is compared with a reference that
 /// quantizes x and the intermediate to e4m3 as the kernels do, but Hopper's fp8 wgmma sums each
 /// k-tile with reduced precision, so some of the intermediate's bf16 values land on the other side
 /// of an e4m3 rounding step (12.5% apart) than the reference's: the ldmatrix + mma.sync fp8 path
 /// measured 1.7-2.4e-3 where the wgmma one measured 5-7e-3 on the same steps (H100); at M = 1
-/// (a few thousand outputs) one of 24 cases in two runs reached 1.16e-2. A wrong tile or scale
-/// gives errors near 1.
-fn tolerance(format: WeightFormat) -> f64 {
-    if matches!(format, WeightFormat::Bf16 | WeightFormat::Fp16) {
-        5e-3
-    } else {
-        1.5e-2
+/// (a few thousand outputs) one of 24 cases in two runs reached 1.16e-2. Per-channel fp8 scales x
+/// per token, so GEMM1 sums the whole of K in that accumulator (`x_per_token`): 8.7e-3 to 1.44e-2
+/// on the H100 (M = 1 and Mixtral-8x7B, K = 4096, highest; cosines down to 0.99990), against 4.7e-3
+/// to 9.3e-3 when it was scaled per k-tile; either is small beside the 4.3e-2 that e4m3
+/// activations cost against bf16 ones. A wrong tile or scale gives errors near 1.
+fn tolerance(format: WeightFormat) -> (f64, f64) {
+    match format {
+        WeightFormat::Bf16 | WeightFormat::Fp16 => (5e-3, 0.9999),
+        WeightFormat::Fp8E4m3 => (2.5e-2, 0.9995),
+        _ => (1.5e-2, 0.9999),
     }
 }
 
