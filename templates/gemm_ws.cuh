@@ -51,6 +51,19 @@ __device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const TmaMap& map, 
         "l"(reinterpret_cast<unsigned long long>(&map)), "r"(k), "r"(row), "r"(bar), "h"(mask)
         : "memory");
 }
+// cp_async16 with an L2 policy that keeps the line ahead of others (evict_last): GEMM1's
+// activation rows, gathered again by every column block and every expert their tokens chose,
+// would otherwise leave L2 under the stream of weight tiles and come back from DRAM.
+__device__ __forceinline__ void cp_async16_keep(unsigned dst, const void* src, bool valid, unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ unsigned long long l2_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
 // TMA the box, to this block only or (CLUSTER > 1) to every block of the cluster.
 __device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, int k, int row, unsigned bar) {
     if (CLUSTER > 1) tma_load_2d_mc(dst, map, k, row, bar, (1u << CLUSTER) - 1);
@@ -192,6 +205,7 @@ __device__ __forceinline__ void cols_ready() {
 //   a_any                      any readable address (the source of zero-filled padding rows)
 //   b_load(item, kt, dst, bar, rank)  one thread: TMA this block's share of the item's B k-tile
 //                              (BN x 128 bytes; with clusters multicast, see tma_load_tile)
+// KEEP_A: A's rows stay in L2 ahead of the weights (cp_async16_keep).
 // PROMOTE: the scales change along K (fp8 with 128-wide activation or weight blocks), so each
 // k-tile's MMAs start a partial sum that is scaled into acc; otherwise (bf16, or fp8 with one
 // scale per row and per column) acc accumulates the whole of K and the epilogue scales it.
@@ -213,7 +227,7 @@ __device__ __forceinline__ void cols_ready() {
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
 // consumer warp's 2 KiB of output staging.
-template <int BN, int KT, bool PROMOTE, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
+template <int BN, int KT, bool PROMOTE, bool KEEP_A, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
@@ -252,6 +266,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     if (threadIdx.x < 128) {
         set_max_regs_dec<PRODUCER_REGS>();
         const int t = threadIdx.x, c = t % 8;
+        const unsigned long long keep = KEEP_A ? l2_evict_last() : 0ull;
         int s = 0;  // k-tiles produced so far: stage s % STAGES, its use number s / STAGES
         for (int i = 0;; ++i) {
             // Two slots: thread 0 refills one while the others may still read the other.
@@ -304,9 +319,12 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     b_load(it, kt, sa + S::A_BYTES, full(st), rank);
                 }
 #pragma unroll
-                for (int j = 0; j < S::A_ROWS; ++j)
-                    cp_async16(sa + swz(t / 8 + 16 * j, c), (rows[j] ? rows[j] + kt * BK_BYTES : a_any) + c * 16,
-                               rows[j] != nullptr);
+                for (int j = 0; j < S::A_ROWS; ++j) {
+                    const unsigned dst = sa + swz(t / 8 + 16 * j, c);
+                    const char* src = (rows[j] ? rows[j] + kt * BK_BYTES : a_any) + c * 16;
+                    if (KEEP_A) cp_async16_keep(dst, src, rows[j] != nullptr, keep);
+                    else cp_async16(dst, src, rows[j] != nullptr);
+                }
                 cp_async_arrive_noinc(full(st));
             }
         }

@@ -384,7 +384,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1, PROMOTE>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN1, KT1, PROMOTE, true>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 
@@ -484,7 +484,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2, FP8>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN2, KT2, FP8, false>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 #else
