@@ -1,50 +1,16 @@
 // Alignment: the (token, slot) pairs `p = t * TOP_K + s` regrouped by expert into tiles of BM
-// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh). Two
-// kernels, no host synchronisation; the host sizes every buffer from upper bounds (max_tiles).
+// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh), by
+// moe_prepare (prepare.cuh) with no host synchronisation; the host sizes every buffer from upper
+// bounds (max_tiles).
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
 //   tile_span[tile]             (first tile, tiles, expert, 0) of that expert, for the GEMMs' work
 //                               order (one load resolves a work item)
 //   num_tiles[1]                the hot experts' tiles, which come first (align_layout)
-// Out-of-range ids are skipped and counted in *errors. `counts` and `done` are zero on entry to
-// moe_align_count, which leaves them zero for the next step.
+// Out-of-range ids are skipped and counted in *errors.
 constexpr int ALIGN_THREADS = 1024;
 static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
-
-// Histogram of expert ids: per block in shared memory, then into counts[E]; the last block to
-// finish (a counter, `done`) then lays out the tiles (align_layout). Two kernels in all, so the
-// step pays one launch less than a separate scan.
-__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                             int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles);
-
-extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align_count(const int* __restrict__ ids, int pairs, int* __restrict__ counts, int* __restrict__ errors,
-                unsigned* __restrict__ done, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles) {
-    __shared__ int hist[EXPERTS];
-    __shared__ bool last;
-    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) hist[e] = 0;
-    __syncthreads();
-    int bad = 0;
-    for (int p = blockIdx.x * ALIGN_THREADS + threadIdx.x; p < pairs; p += gridDim.x * ALIGN_THREADS) {
-        const int e = ids[p];
-        if (e >= 0 && e < EXPERTS) atomicAdd(&hist[e], 1);
-        else ++bad;
-    }
-    if (bad) atomicAdd(errors, bad);
-    __syncthreads();
-    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
-        if (hist[e]) atomicAdd(&counts[e], hist[e]);
-    __threadfence();  // this block's counts before its arrival on `done`
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // every block's counts, seen by the last one
-    align_layout(counts, cursor, sorted_rows, tile_expert, tile_span, num_tiles);
-    if (threadIdx.x == 0) *done = 0;  // for the next step
-}
 
 // Exclusive prefix of v over the block's threads, and the block's total (every thread calls it).
 __device__ __forceinline__ int block_exclusive_scan(int v, int& total) {
@@ -74,17 +40,16 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int& total) {
     return excl;
 }
 
-// One block: tiles per expert and their layout: the hot experts (HOT_TILES tiles or more) first,
-// then the others, each group in expert order (work_item interleaves their items); each expert's
-// first row (cursor); then with every thread the tile -> expert map and spans and the padding rows
-// (-1) that close each expert's last tile. num_tiles = (tiles, hot tiles). Leaves counts zero for
-// the next step.
-__device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor, int* __restrict__ sorted_rows,
+// One block, from thread e's count of expert e: tiles per expert and their layout: the hot
+// experts (HOT_TILES tiles or more) first, then the others, each group in expert order (work_item
+// interleaves their items); each expert's first row (cursor); then with every thread the tile ->
+// expert map and spans and the padding rows (-1) that close each expert's last tile. num_tiles =
+// (tiles, hot tiles).
+__device__ void align_layout(int count, int* __restrict__ cursor, int* __restrict__ sorted_rows,
                              int* __restrict__ tile_expert, int4* __restrict__ tile_span, int* __restrict__ num_tiles) {
     __shared__ int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
     __shared__ int first_ord[EXPERTS], expert_ord[EXPERTS];  // in layout order
     const int tid = threadIdx.x;
-    const int count = tid < EXPERTS ? *(volatile int*)&counts[tid] : 0;
     const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
     const bool hot = tiles >= HOT_TILES;
     int total, hot_total, hot_experts;
@@ -104,7 +69,6 @@ __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor,
         first_ord[ord] = first_tile;
         expert_ord[ord] = tid;
         cursor[tid] = first_tile * BM;
-        counts[tid] = 0;
     }
     __syncthreads();
     // Tile j belongs to the last expert in layout order with first_ord <= j (one without tiles
@@ -128,16 +92,17 @@ __device__ void align_layout(int* __restrict__ counts, int* __restrict__ cursor,
 }
 
 // Each pair takes the next row of its expert; lanes of a warp with the same expert take
-// consecutive rows with one atomic.
-extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align_scatter(const int* __restrict__ ids, int pairs, int* __restrict__ cursor, int* __restrict__ sorted_rows,
-                  int* __restrict__ pair_pos) {
+// consecutive rows with one atomic. Pairs first, first + stride, .. of this thread; every lane of
+// a warp runs each round (the match). X_PER_ROW: the pair's row takes its token's x scale.
+__device__ __forceinline__ void scatter_pairs(const int* __restrict__ ids, int pairs, int first, int stride,
+                                              int* __restrict__ cursor, int* __restrict__ sorted_rows,
+                                              int* __restrict__ pair_pos, const float* __restrict__ xs_token,
+                                              float* __restrict__ xs_row) {
     const int lane = threadIdx.x % 32;
-    const int stride = gridDim.x * ALIGN_THREADS;
     const int rounds = (pairs + stride - 1) / stride;
     for (int r = 0; r < rounds; ++r) {
-        const int p = r * stride + blockIdx.x * ALIGN_THREADS + threadIdx.x;
-        const int e = p < pairs ? ids[p] : -1;
+        const int p = r * stride + first;
+        const int e = p < pairs ? __ldcg(ids + p) : -1;
         const bool ok = e >= 0 && e < EXPERTS;
         const unsigned peers = __match_any_sync(MOE_FULL_MASK, ok ? e : -1);
         const int leader = __ffs(peers) - 1;
@@ -148,6 +113,7 @@ moe_align_scatter(const int* __restrict__ ids, int pairs, int* __restrict__ curs
             const int pos = base + __popc(peers & ((1u << lane) - 1u));
             sorted_rows[pos] = p;
             pair_pos[p] = pos;
+            if (X_PER_ROW) xs_row[pos] = __ldcg(xs_token + p / TOP_K);
         } else if (p < pairs) {
             pair_pos[p] = -1;
         }

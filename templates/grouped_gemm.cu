@@ -114,52 +114,74 @@ __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, 
         if (sub == 0) s[row * (COLS / 128) + blk] = scale;
     }
 }
-// X_PER_ROW: x [m, HIDDEN] to e4m3 with one scale per token (a warp per token, reading its row
-// twice: for the amax, then to convert), the scale stored at each sorted row that holds one of
-// the token's pairs (pair_pos), where GEMM1 reads it.
-__device__ __forceinline__ void quant_tokens(const act_t* __restrict__ x, int m, const int* __restrict__ pair_pos,
-                                             unsigned char* __restrict__ q, float* __restrict__ s) {
-    static_assert(sizeof(act_t) == 2 && HIDDEN % 8 == 0, "8 activations per 16-byte load");
+// Token t's row of x to e4m3 by one warp: with one scale for the row (X_PER_ROW, into s[t]), else
+// one per 128 columns (s[t, HIDDEN / 128], half a warp per 128-column block).
+__device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t, unsigned char* __restrict__ q,
+                                            float* __restrict__ s) {
+    static_assert(sizeof(act_t) == 2 && (!FP8 || HIDDEN % 128 == 0), "8 activations per 16-byte load, whole blocks");
     const int lane = threadIdx.x % 32;
-    const long warps = (long)gridDim.x * blockDim.x / 32;
-    for (long t = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; t < m; t += warps) {
-        const uint4* row = reinterpret_cast<const uint4*>(x + t * HIDDEN);
-        float amax = 0.f;
-        for (int c = lane; c < HIDDEN / 8; c += 32) {
-            const uint4 raw = row[c];
-            const act_t* e = reinterpret_cast<const act_t*>(&raw);
+    const uint4* row = reinterpret_cast<const uint4*>(x + t * HIDDEN);
+    auto load8 = [&](int c, float* v) {  // columns 8 c .. 8 c + 7
+        const uint4 raw = row[c];
+        const act_t* e = reinterpret_cast<const act_t*>(&raw);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf((float)e[i]));
+        for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
+    };
+    float v[8];
+    if constexpr (X_PER_ROW) {
+        // The row's 16-byte chunks lane, lane + 32, ..: read for the amax, then again (from L1)
+        // to convert, four loads in flight at a time (the block's 1024 threads have 64 registers).
+        constexpr int CHUNKS = (HIDDEN / 8 + 31) / 32;
+        float amax = 0.f;
+#pragma unroll 4
+        for (int j = 0; j < CHUNKS; ++j) {
+            const int c = lane + 32 * j;
+            if (c < HIDDEN / 8) {
+                load8(c, v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
         const float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
-        for (int c = lane; c < HIDDEN / 8; c += 32) {
-            const uint4 raw = row[c];
-            const act_t* e = reinterpret_cast<const act_t*>(&raw);
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
-            *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
+#pragma unroll 4
+        for (int j = 0; j < CHUNKS; ++j) {
+            const int c = lane + 32 * j;
+            if (c < HIDDEN / 8) {
+                load8(c, v);
+                *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
+            }
         }
-        for (int j = lane; j < TOP_K; j += 32) {
-            const int pos = pair_pos[t * TOP_K + j];
-            if (pos >= 0) s[pos] = scale;
+        if (lane == 0) s[t] = scale;
+    } else {
+        constexpr int BLOCKS = HIDDEN / 128;
+#pragma unroll
+        for (int b0 = 0; b0 < BLOCKS; b0 += 2) {  // every lane runs each round (the shuffles)
+            const int blk = b0 + lane / 16, c = blk * 16 + lane % 16;
+            const bool live = blk < BLOCKS;
+            float amax = 0.f;
+            if (live) {
+                load8(c, v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+            if (!live) continue;
+            const float scale = amax > 0.f ? amax / 448.f : 1.f;
+            *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, 1.f / scale);
+            if (lane % 16 == 0) s[t * BLOCKS + blk] = scale;
         }
     }
-}
-// x to e4m3 for GEMM1: per token (X_PER_ROW, scales by sorted row) or per 128 along K.
-extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_quant_x(const act_t* __restrict__ x, int m, const int* __restrict__ pair_pos, unsigned char* __restrict__ q,
-            float* __restrict__ s) {
-    if constexpr (X_PER_ROW) quant_tokens(x, m, pair_pos, q, s);
-    else quant_rows<HIDDEN>(x, m, nullptr, nullptr, q, s);
 }
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
               unsigned char* __restrict__ q, float* __restrict__ s) {
     quant_rows<INTER>(mid, 0, num_tiles, sorted_rows, q, s);
 }
+
+{% include "prepare.cuh" %}
 
 // Work item w of a GEMM with nt column blocks -> the row tile of cluster rank `rank`, its column
 // block and expert. Items count cluster tiles (CLUSTER consecutive row tiles; align pads each

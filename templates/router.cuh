@@ -25,8 +25,9 @@ __device__ __forceinline__ float key_score(unsigned k) {
 // The TOP_K best of the scores s (NaN: excluded), weighted by weight(id, score), written as token
 // t's row: renormalised to sum 1 if asked, then times scale. Each lane keeps experts lane + 32 j as
 // keys; a round is one warp max (redux.sync) and a ballot per j for the lowest id that holds it.
+// Returns choice `lane` to lanes < TOP_K (EXPERTS where none was left), -1 to the others.
 template <class Weight>
-__device__ __forceinline__ void pick_topk(const float* s, int t, Weight weight, bool renormalize, float scale,
+__device__ __forceinline__ int pick_topk(const float* s, int t, Weight weight, bool renormalize, float scale,
                                           int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
     constexpr int J = (EXPERTS + 31) / 32;
     const int lane = threadIdx.x % 32;
@@ -57,6 +58,7 @@ __device__ __forceinline__ void pick_topk(const float* s, int t, Weight weight, 
         w[k] = id < EXPERTS ? weight(id, key_score(best)) : 0.f;
         picked += w[k];
     }
+    int mine = -1;
     if (lane == 0) {
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
@@ -64,7 +66,12 @@ __device__ __forceinline__ void pick_topk(const float* s, int t, Weight weight, 
             topk_weights[t * TOP_K + k] = (renormalize ? w[k] / picked : w[k]) * scale;
         }
     }
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k)
+        if (lane == k) mine = ids[k];
+    return mine;
 }
+static_assert(TOP_K <= 32, "a lane per choice");
 
 {%- if router.grouped %}
 constexpr int GROUPS = {{ router.groups }};
@@ -74,14 +81,11 @@ constexpr bool RENORMALIZE = {{ router.renormalize }};
 constexpr float SCALING = {{ router.scaling }};
 static_assert(GROUPS <= 32, "one lane scores one group");
 
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int m,
-          int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
-    __shared__ float scores[ROUTE_WARPS][EXPERTS];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x * ROUTE_WARPS + warp;
-    if (t >= m) return;
-    float* s = scores[warp];
+// Token t's routing by one warp, its scores staged in s (EXPERTS floats of shared memory): its row
+// of topk_ids / topk_weights, and the choices as pick_topk returns them.
+__device__ __forceinline__ int route_token(const float* __restrict__ logits, const float* __restrict__ bias, int t,
+                                           float* s, int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+    const int lane = threadIdx.x % 32;
     const float* row = logits + (long)t * EXPERTS;
     // Choice is by sigmoid + correction bias; the weights are the plain sigmoid.
     for (int e = lane; e < EXPERTS; e += 32) s[e] = 1.f / (1.f + expf(-row[e])) + bias[e];
@@ -119,20 +123,17 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
     for (int e = lane; e < EXPERTS; e += 32)
         if (!((kept >> (e / GROUP_SIZE)) & 1u)) s[e] = MOE_NAN;
     __syncwarp();
-    pick_topk(s, t, [&](int id, float) { return 1.f / (1.f + expf(-row[id])); }, RENORMALIZE, SCALING, topk_ids,
-              topk_weights);
+    return pick_topk(s, t, [&](int id, float) { return 1.f / (1.f + expf(-row[id])); }, RENORMALIZE, SCALING,
+                     topk_ids, topk_weights);
 }
 {%- else %}
 constexpr bool RENORMALIZE = {{ router.renormalize }};
 
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-moe_route(const float* __restrict__ logits, const float* __restrict__ /*bias*/, int m,
-          int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
-    __shared__ float scores[ROUTE_WARPS][EXPERTS];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x * ROUTE_WARPS + warp;
-    if (t >= m) return;
-    float* s = scores[warp];
+// Token t's routing by one warp, its scores staged in s (EXPERTS floats of shared memory): its row
+// of topk_ids / topk_weights, and the choices as pick_topk returns them.
+__device__ __forceinline__ int route_token(const float* __restrict__ logits, const float* __restrict__ /*bias*/, int t,
+                                           float* s, int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+    const int lane = threadIdx.x % 32;
     const float* row = logits + (long)t * EXPERTS;
     float mx = -MOE_INF;
     for (int e = lane; e < EXPERTS; e += 32) {
@@ -144,6 +145,17 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ /*bias*/, 
     for (int e = lane; e < EXPERTS; e += 32) sum += expf(s[e] - mx);
     sum = warp_sum(sum);
     __syncwarp();
-    pick_topk(s, t, [&](int, float best) { return expf(best - mx) / sum; }, RENORMALIZE, 1.f, topk_ids, topk_weights);
+    return pick_topk(s, t, [&](int, float best) { return expf(best - mx) / sum; }, RENORMALIZE, 1.f, topk_ids,
+                     topk_weights);
 }
 {%- endif %}
+
+// Routing alone (the decode family's steps from logits; the grouped family's run in moe_prepare).
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
+          float* __restrict__ topk_weights) {
+    __shared__ float scores[ROUTE_WARPS][EXPERTS];
+    const int warp = threadIdx.x / 32;
+    const int t = blockIdx.x * ROUTE_WARPS + warp;
+    if (t < m) route_token(logits, bias, t, scores[warp], topk_ids, topk_weights);
+}

@@ -62,8 +62,14 @@ pub fn x_per_token(f: WeightFormat) -> bool {
 
 /// Threads per block of the router (one warp per token).
 pub const ROUTE_THREADS: u32 = 128;
-/// Threads per block of the alignment kernels.
+/// Threads per block of `moe_prepare` (routing, alignment and x's quantization in one cooperative
+/// launch), a warp per token.
 pub const ALIGN_THREADS: u32 = 1024;
+
+/// Dynamic shared memory of a `moe_prepare` block: each warp's router scores (f32 per expert).
+pub fn prepare_smem_bytes(spec: &MoeSpec) -> u32 {
+    ALIGN_THREADS / 32 * spec.experts() * 4
+}
 /// Threads per block of the element-wise kernels (quantize, combine, convert).
 pub const ELEMWISE_THREADS: u32 = 256;
 /// Bytes of K per pipeline stage and row.
@@ -372,9 +378,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
 pub fn entry_points() -> Vec<String> {
     [
         "moe_route",
-        "moe_align_count",
-        "moe_align_scatter",
-        "moe_quant_x",
+        "moe_prepare",
         "moe_quant_mid",
         "moe_gemm1",
         "moe_gemm2_atomic",

@@ -173,6 +173,16 @@ pub(crate) fn launch_attrs(pdl: bool, cluster: u32) -> LaunchAttrs {
     attrs
 }
 
+/// A cooperative launch: every block resident at once (grid barriers), or the launch fails.
+pub(crate) fn cooperative_attrs() -> LaunchAttrs {
+    let mut attrs = launch_attrs(false, 1);
+    let a = &mut attrs.a[attrs.n];
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    a.value.cooperative = 1;
+    attrs.n += 1;
+    attrs
+}
+
 pub(crate) struct LaunchAttrs {
     a: [sys::CUlaunchAttribute; 2],
     n: usize,
@@ -494,9 +504,17 @@ impl MoeLayer {
         let g = self.grouped_path()?;
         g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
         let s = &self.stream;
-        let (ids, weights) = g.route(s, m, ptr(logits, s), ptr(&self.router_bias, s))?;
+        let family = self.family_for(m);
+        let (logits, bias) = (ptr(logits, s), ptr(&self.router_bias, s));
+        if family == KernelFamily::GroupedGemm {
+            // The grouped step routes in its first kernel (moe_prepare).
+            let (ids, weights) = g.routing_ptrs(s, m)?;
+            let p = StepPtrs { logits, bias, ..self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s)) };
+            return self.launch_family(family, m, &p);
+        }
+        let (ids, weights) = g.route(s, m, logits, bias)?;
         let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
-        self.launch_family(self.family_for(m), m, &p)
+        self.launch_family(family, m, &p)
     }
 
     /// The routing the last [`MoeLayer::forward_logits`] produced, copied back (syncs):
@@ -550,6 +568,8 @@ impl MoeLayer {
         let s = &self.stream;
         StepPtrs {
             x,
+            logits: 0,
+            bias: 0,
             ids,
             weights,
             y,

@@ -1,15 +1,15 @@
 //! The grouped-GEMM (prefill) path of a layer: its kernels, its scratch and its launches.
 //!
-//! route (optional) -> align -> [quantize x] -> GEMM1 + SwiGLU -> [quantize mid] -> GEMM2 +
-//! routing weight -> combine. Every buffer is sized on the host from upper bounds known before
+//! prepare (route if given logits, align, [quantize x]; one cooperative launch) -> GEMM1 + SwiGLU
+//! -> [quantize mid] -> GEMM2 + routing weight -> combine. Every buffer is sized on the host from upper bounds known before
 //! launch (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
-use crate::layer::{launch, launch_attrs, launch_with, max_active_clusters, ptr};
+use crate::layer::{cooperative_attrs, launch, launch_attrs, launch_with, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::grouped::{x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
+use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
 use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -17,6 +17,10 @@ use std::sync::{Arc, Mutex};
 /// Device pointers the grouped path reads for one step.
 pub(crate) struct StepPtrs {
     pub x: u64,
+    /// Router logits `[M, E]` and bias (0: `ids` / `weights` are given); moe_prepare then routes
+    /// into `ids` / `weights`, which must be the scratch's (`GroupedPath::routing_ptrs`).
+    pub logits: u64,
+    pub bias: u64,
     pub ids: u64,
     pub weights: u64,
     pub y: u64,
@@ -46,9 +50,7 @@ pub struct Alignment {
 
 struct Fns {
     route: CudaFunction,
-    align_count: CudaFunction,
-    align_scatter: CudaFunction,
-    quant_x: CudaFunction,
+    prepare: CudaFunction,
     quant_mid: CudaFunction,
     gemm1: CudaFunction,
     gemm2_atomic: CudaFunction,
@@ -62,10 +64,8 @@ struct Scratch {
     tokens: usize,
     deterministic: bool,
     sorted_rows: CudaSlice<i32>,
-    /// Per-expert pair counts and the alignment's block counter (both left zero by each step),
-    /// and each expert's first free row.
+    /// Per-expert pair counts (left zero by each step), and each expert's first free row.
     counts: CudaSlice<i32>,
-    done: CudaSlice<u32>,
     cursor: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
@@ -73,14 +73,16 @@ struct Scratch {
     tile_span: CudaSlice<i32>,
     /// Tiles in use, and the hot experts' tiles among them (which come first).
     num_tiles: CudaSlice<i32>,
-    /// The warp-specialised GEMMs' work counters (GEMM1, GEMM2), zeroed before each step.
+    /// The warp-specialised GEMMs' work counters (GEMM1, GEMM2) and moe_prepare's barrier
+    /// counter, zeroed before each step.
     work_counters: CudaSlice<i32>,
     /// GEMM1 output `[max_rows, I]` in the activation dtype.
     mid: CudaSlice<u8>,
-    /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K (x: or one per sorted row,
-    /// see `x_per_token`).
+    /// FP8 operands: x and mid in e4m3 with one f32 per 128 along K; x: or one per token, copied
+    /// to each sorted row (`xs_row`), see `x_per_token`.
     xq: CudaSlice<u8>,
-    xs: CudaSlice<f32>,
+    xs_token: CudaSlice<f32>,
+    xs_row: CudaSlice<f32>,
     midq: CudaSlice<u8>,
     mids: CudaSlice<f32>,
     /// The atomic combine's f32 token rows `[M, H]`, or the gather-reduce combine's pair rows
@@ -99,6 +101,9 @@ pub(crate) struct GroupedPath {
     x_per_token: bool,
     /// GEMM1 writes the intermediate in e4m3 itself (`GemmTiles::quantizes_mid`).
     mid_in_gemm1: bool,
+    /// moe_prepare's resident blocks on the device, and its dynamic shared memory.
+    prepare_blocks: u32,
+    prepare_smem: u32,
     gemm1_blocks: u32,
     gemm2_blocks: u32,
     sms: u32,
@@ -117,9 +122,7 @@ impl GroupedPath {
         let f = |name: &str| module.load_function(name);
         let fns = Fns {
             route: f("moe_route")?,
-            align_count: f("moe_align_count")?,
-            align_scatter: f("moe_align_scatter")?,
-            quant_x: f("moe_quant_x")?,
+            prepare: f("moe_prepare")?,
             quant_mid: f("moe_quant_mid")?,
             gemm1: f("moe_gemm1")?,
             gemm2_atomic: f("moe_gemm2_atomic")?,
@@ -153,6 +156,21 @@ impl GroupedPath {
             let per_sm = g.occupancy_max_active_blocks_per_multiprocessor(tiles.gemm_threads(), smem as usize, None)?;
             Ok(per_sm.max(1) * device.sm_count())
         };
+        // moe_prepare's grid: as many blocks as can be resident at once (its grid barriers).
+        let prepare_smem = prepare_smem_bytes(spec);
+        fns.prepare.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            prepare_smem as i32,
+        )?;
+        let prepare_blocks =
+            fns.prepare.occupancy_max_active_blocks_per_multiprocessor(ALIGN_THREADS, prepare_smem as usize, None)?
+                * device.sm_count();
+        if prepare_blocks == 0 {
+            return Err(RuntimeError::FamilyUnavailable {
+                family: moe_codegen::KernelFamily::GroupedGemm,
+                why: format!("moe_prepare with {prepare_smem} B of shared memory fits no SM"),
+            });
+        }
         let gemm1_blocks = blocks(&fns.gemm1, tiles.bn1)?;
         let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.bn2)?;
         blocks(&fns.gemm2_rows, tiles.bn2)?;
@@ -164,6 +182,8 @@ impl GroupedPath {
             fp8,
             x_per_token: x_per_token(spec.weight_format()),
             mid_in_gemm1: tiles.quantizes_mid(spec),
+            prepare_blocks,
+            prepare_smem,
             gemm1_blocks,
             gemm2_blocks,
             sms: device.sm_count(),
@@ -195,16 +215,16 @@ impl GroupedPath {
             deterministic,
             sorted_rows: stream.alloc_zeros(rows)?,
             counts: stream.alloc_zeros(spec.experts() as usize)?,
-            done: stream.alloc_zeros(1)?,
             cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
             tile_span: stream.alloc_zeros(4 * max_tiles)?,
             num_tiles: stream.alloc_zeros(2)?,
-            work_counters: stream.alloc_zeros(2)?,
+            work_counters: stream.alloc_zeros(3)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
             xq: stream.alloc_zeros(q(tokens * h))?,
-            xs: stream.alloc_zeros(q(if self.x_per_token { rows } else { tokens * h / 128 }))?,
+            xs_token: stream.alloc_zeros(q(if self.x_per_token { tokens } else { tokens * h / 128 }))?,
+            xs_row: stream.alloc_zeros(if self.x_per_token { rows } else { 1 })?,
             midq: stream.alloc_zeros(q(rows * i))?,
             mids: stream.alloc_zeros(q(rows * i / 128))?,
             // Either combine may run on scratch reserved for the gather-reduce one.
@@ -219,12 +239,17 @@ impl GroupedPath {
         Ok(())
     }
 
-    /// Route `logits [m, E]` (f32) on the device into the scratch's ids / weights and return
-    /// their pointers.
-    pub fn route(&self, stream: &Arc<CudaStream>, m: usize, logits: u64, bias: u64) -> Result<(u64, u64)> {
+    /// The scratch's routing buffers `(ids, weights)`, where a step from logits routes.
+    pub fn routing_ptrs(&self, stream: &Arc<CudaStream>, m: usize) -> Result<(u64, u64)> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().ok_or(RuntimeError::NotReserved { m })?;
-        let (mut ids, mut w) = (ptr(&s.ids, stream), ptr(&s.weights, stream));
+        Ok((ptr(&s.ids, stream), ptr(&s.weights, stream)))
+    }
+
+    /// Route `logits [m, E]` (f32) on the device into the scratch's ids / weights and return
+    /// their pointers (steps of another family; the grouped one routes in moe_prepare).
+    pub fn route(&self, stream: &Arc<CudaStream>, m: usize, logits: u64, bias: u64) -> Result<(u64, u64)> {
+        let (mut ids, mut w) = self.routing_ptrs(stream, m)?;
         let (mut l, mut b, mut m32) = (logits, bias, m as i32);
         let mut args = [arg(&mut l), arg(&mut b), arg(&mut m32), arg(&mut ids), arg(&mut w)];
         let grid = m.div_ceil((ROUTE_THREADS / 32) as usize) as u32;
@@ -246,7 +271,6 @@ impl GroupedPath {
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
         let pairs = m * k;
         let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
-        let mut pairs32 = pairs as i32;
         let mut m32 = m as i32;
         let (mut sorted, mut pos, mut tile_e, mut span, mut ntiles) = (
             ptr(&s.sorted_rows, stream),
@@ -255,38 +279,48 @@ impl GroupedPath {
             ptr(&s.tile_span, stream),
             ptr(&s.num_tiles, stream),
         );
-        let (mut ids, mut errors) = (p.ids, p.errors);
-        let (mut counts, mut done, mut cursor) = (ptr(&s.counts, stream), ptr(&s.done, stream), ptr(&s.cursor, stream));
-        let align_grid = (pairs.div_ceil(ALIGN_THREADS as usize) as u32).clamp(1, self.sms);
+        // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
+        // the blocks that fit at once, no more than the tokens' warps or the pairs' threads need.
+        stream.memset_zeros(&mut s.work_counters)?;
+        let (mut logits, mut bias, mut ids, mut weights, mut errors) = (p.logits, p.bias, p.ids, p.weights, p.errors);
+        let (mut counts, mut cursor) = (ptr(&s.counts, stream), ptr(&s.cursor, stream));
+        let (mut x, mut xq, mut xs_token, mut xs_row) =
+            (p.x, ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
+        let mut sync = ptr(&s.work_counters, stream) + 8;
+        let need = m.div_ceil((ALIGN_THREADS / 32) as usize).max(pairs.div_ceil(ALIGN_THREADS as usize));
+        let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
         unsafe {
             let mut args = [
+                arg(&mut logits),
+                arg(&mut bias),
+                arg(&mut m32),
                 arg(&mut ids),
-                arg(&mut pairs32),
+                arg(&mut weights),
+                arg(&mut x),
+                arg(&mut xq),
+                arg(&mut xs_token),
+                arg(&mut xs_row),
                 arg(&mut counts),
                 arg(&mut errors),
-                arg(&mut done),
+                arg(&mut sync),
                 arg(&mut cursor),
                 arg(&mut sorted),
+                arg(&mut pos),
                 arg(&mut tile_e),
                 arg(&mut span),
                 arg(&mut ntiles),
             ];
-            launch(&self.fns.align_count, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
-            let mut args = [arg(&mut ids), arg(&mut pairs32), arg(&mut cursor), arg(&mut sorted), arg(&mut pos)];
-            launch(&self.fns.align_scatter, stream, align_grid, ALIGN_THREADS, 0, false, &mut args)?;
+            let dims = (prepare_grid, ALIGN_THREADS, self.prepare_smem);
+            launch_with(&self.fns.prepare, stream, dims, cooperative_attrs(), &mut args)?;
         }
         let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
-        // GEMM1's A operand: x itself, or its e4m3 copy.
-        let (mut a1, mut a1s) = (p.x, 0u64);
-        if self.fp8 {
-            let (mut xq, mut xs, mut x) = (ptr(&s.xq, stream), ptr(&s.xs, stream), p.x);
-            a1 = xq;
-            a1s = xs;
-            let mut args = [arg(&mut x), arg(&mut m32), arg(&mut pos), arg(&mut xq), arg(&mut xs)];
-            // A warp per token, or half a warp per 128-element block.
-            let threads = if self.x_per_token { m * 32 } else { m * h / 128 * 16 };
-            unsafe { launch(&self.fns.quant_x, stream, elementwise(threads), ELEMWISE_THREADS, 0, false, &mut args)? };
-        }
+        // GEMM1's A operand: x itself, or its e4m3 copy with its scales (by sorted row with
+        // per-token scales).
+        let (mut a1, mut a1s) = match (self.fp8, self.x_per_token) {
+            (false, _) => (p.x, 0u64),
+            (true, false) => (xq, xs_token),
+            (true, true) => (xq, xs_row),
+        };
         // GEMM1's output: mid in the activation dtype, or already in e4m3 with its scales.
         let (mut mid, mut mid_scales) =
             if self.mid_in_gemm1 { (ptr(&s.midq, stream), ptr(&s.mids, stream)) } else { (ptr(&s.mid, stream), 0u64) };
@@ -309,7 +343,6 @@ impl GroupedPath {
         } else {
             (TensorMap::unused(), TensorMap::unused())
         };
-        stream.memset_zeros(&mut s.work_counters)?;
         let mut counter1 = ptr(&s.work_counters, stream);
         let mut counter2 = counter1 + 4;
         unsafe {
@@ -345,7 +378,6 @@ impl GroupedPath {
             stream.memset_zeros(&mut y32_view)?;
         }
         let mut out32 = ptr(&s.out32, stream);
-        let mut weights = p.weights;
         let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
         unsafe {
             let mut args = [
