@@ -75,6 +75,26 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {
     return make_uint2(packed[0], packed[1]);
 }
 
+// Eight activations at p (16 bytes) as floats.
+__device__ __forceinline__ void load8(const act_t* p, float* v) {
+    static_assert(sizeof(act_t) == 2, "8 activations per 16-byte load");
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const act_t* e = reinterpret_cast<const act_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
+}
+// The e4m3 scale (amax / 448) of the 128 values a half warp holds, 8 per live lane in v; every
+// lane of the warp calls it (the shuffles).
+__device__ __forceinline__ float half_warp_scale(const float* v, bool live) {
+    float amax = 0.f;
+    if (live)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+    return amax > 0.f ? amax / 448.f : 1.f;
+}
+
 // Activations to e4m3 with one f32 scale per 128 along K (rows [rows, COLS] -> q, s [rows, COLS / 128]).
 // Half a warp quantizes one 128-element block, 16 bytes per lane. rows: `m`, or *num_tiles * BM
 // when num_tiles is given, and then only the rows that hold a pair (sorted_rows >= 0): what the
@@ -94,22 +114,9 @@ __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, 
         const long row = b / (COLS / 128), blk = b % (COLS / 128);
         const bool live = b < blocks && (!num_tiles || sorted_rows[row] >= 0);
         float v[8];
-        if (live) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(in + row * COLS + blk * 128 + sub * 8);
-            const act_t* e = reinterpret_cast<const act_t*>(&raw);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = 0.f;
-        }
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+        if (live) load8(in + row * COLS + blk * 128 + sub * 8, v);
+        const float scale = half_warp_scale(v, live);
         if (!live) continue;
-        const float scale = amax > 0.f ? amax / 448.f : 1.f;
         *reinterpret_cast<uint2*>(q + row * COLS + blk * 128 + sub * 8) = pack_e4m3x8(v, 1.f / scale);
         if (sub == 0) s[row * (COLS / 128) + blk] = scale;
     }
@@ -118,15 +125,9 @@ __device__ __forceinline__ void quant_rows(const act_t* __restrict__ in, int m, 
 // one per 128 columns (s[t, HIDDEN / 128], half a warp per 128-column block).
 __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t, unsigned char* __restrict__ q,
                                             float* __restrict__ s) {
-    static_assert(sizeof(act_t) == 2 && (!FP8 || HIDDEN % 128 == 0), "8 activations per 16-byte load, whole blocks");
+    static_assert(!FP8 || HIDDEN % 128 == 0, "whole 128-column blocks");
     const int lane = threadIdx.x % 32;
-    const uint4* row = reinterpret_cast<const uint4*>(x + t * HIDDEN);
-    auto load8 = [&](int c, float* v) {  // columns 8 c .. 8 c + 7
-        const uint4 raw = row[c];
-        const act_t* e = reinterpret_cast<const act_t*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
-    };
+    const act_t* row = x + t * HIDDEN;
     float v[8];
     if constexpr (X_PER_ROW) {
         // The row's 16-byte chunks lane, lane + 32, ..: read for the amax, then again (from L1)
@@ -137,7 +138,7 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
         for (int j = 0; j < CHUNKS; ++j) {
             const int c = lane + 32 * j;
             if (c < HIDDEN / 8) {
-                load8(c, v);
+                load8(row + 8 * c, v);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
             }
@@ -149,7 +150,7 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
         for (int j = 0; j < CHUNKS; ++j) {
             const int c = lane + 32 * j;
             if (c < HIDDEN / 8) {
-                load8(c, v);
+                load8(row + 8 * c, v);
                 *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
             }
         }
@@ -160,16 +161,9 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
         for (int b0 = 0; b0 < BLOCKS; b0 += 2) {  // every lane runs each round (the shuffles)
             const int blk = b0 + lane / 16, c = blk * 16 + lane % 16;
             const bool live = blk < BLOCKS;
-            float amax = 0.f;
-            if (live) {
-                load8(c, v);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
+            if (live) load8(row + 8 * c, v);
+            const float scale = half_warp_scale(v, live);
             if (!live) continue;
-            const float scale = amax > 0.f ? amax / 448.f : 1.f;
             *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, 1.f / scale);
             if (lane % 16 == 0) s[t * BLOCKS + blk] = scale;
         }
