@@ -1,12 +1,18 @@
-// The step's front in one cooperative launch (every block resident): routing (from logits, or
-// the ids given), the expert histogram and, for fp8, x in e4m3; then the tiles' layout (align.cuh)
-// and each pair's row. Separate kernels for these spent most of their time on launch, ramp and
-// one memory round trip each while moving almost nothing; here two grid barriers stand between
-// the phases. Blocks of ALIGN_THREADS threads, a warp per token; dynamic shared memory holds each
-// warp's router scores (EXPERTS floats).
-//   sync[0]   the barriers' arrival counter, zero on entry (the host clears it with the GEMMs'
-//             work counters)
-//   counts    per-expert pair counts, zero on entry and left zero
+// The step's front in one cooperative launch (every block resident), with one grid barrier:
+//   1. a warp per token: its choices (routed here when logits are given, else the ids given),
+//      each pair's rank among the block's pairs of its expert (a shared-memory atomic) and, for
+//      fp8, x's row in e4m3; then each block reserves its pairs' rows within each expert's with
+//      one global atomic per expert, whose old value is the block's offset there;
+//   2. after the barrier every block builds the tiles' layout from the totals (align.cuh), writes
+//      its share of the tile map and padding, and each pair takes row first_row(expert) + the
+//      block's offset + its rank: no atomics.
+// Separate kernels for these spent most of their time on launch, ramp and one memory round trip
+// each while moving almost nothing. Blocks of ALIGN_THREADS threads; dynamic shared memory holds
+// each warp's router scores (EXPERTS floats).
+//   sync[0]   the barrier's arrival counter, zero on entry
+//   counts    per-expert pair counts, zero on entry (the host clears both with the GEMMs' work
+//             counters)
+//   pair_pos  also holds each pair's rank across the barrier (read back by the thread that wrote it)
 //   xs_token  fp8: x's scales by token (quant_token); X_PER_ROW: each then copied to the rows of
 //             the token's pairs (xs_row), where GEMM1 reads it
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
@@ -31,23 +37,30 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
             float* __restrict__ topk_weights, const act_t* __restrict__ x, unsigned char* __restrict__ xq,
             float* __restrict__ xs_token, float* __restrict__ xs_row, int* __restrict__ counts,
-            int* __restrict__ errors, unsigned* __restrict__ sync, int* __restrict__ cursor,
-            int* __restrict__ sorted_rows, int* __restrict__ pair_pos, int* __restrict__ tile_expert,
-            int4* __restrict__ tile_span, int* __restrict__ num_tiles) {
-    __shared__ int hist[EXPERTS];
+            int* __restrict__ errors, unsigned* __restrict__ sync, int* __restrict__ sorted_rows,
+            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int4* __restrict__ tile_span,
+            int* __restrict__ num_tiles) {
+    __shared__ int block_pairs[EXPERTS];  // this block's pairs per expert, then its offset in each
+    __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) hist[e] = 0;
+    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) block_pairs[e] = 0;
     __syncthreads();
-    // 1. Each token's choices (routed here when logits are given) into the block's histogram; x.
+    // 1. Each token's choices, their ranks in the block, and x.
     float* scores = reinterpret_cast<float*>(smem) + warp * EXPERTS;
     int bad = 0;
     for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
+        // x's row heads for L2 while the router works (its loads then wait on L2, not DRAM).
+        if (FP8 && lane == 0)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + (long)t * HIDDEN),
+                         "r"((int)(HIDDEN * sizeof(act_t)))
+                         : "memory");
         int id = -1;
         if (logits) id = route_token(logits, bias, t, scores, topk_ids, topk_weights);
         else if (lane < TOP_K) id = topk_ids[t * TOP_K + lane];
         if (lane < TOP_K) {
-            if (id >= 0 && id < EXPERTS) atomicAdd(&hist[id], 1);
-            else ++bad;
+            const bool ok = id >= 0 && id < EXPERTS;
+            pair_pos[t * TOP_K + lane] = ok ? atomicAdd(&block_pairs[id], 1) : -1;
+            bad += !ok;
         }
         if constexpr (FP8) quant_token(x, t, xq, xs_token);
         __syncwarp();  // the next token's scores overwrite this one's
@@ -55,16 +68,21 @@ moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, in
     if (bad) atomicAdd(errors, bad);
     __syncthreads();
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
-        if (hist[e]) atomicAdd(&counts[e], hist[e]);
+        if (block_pairs[e]) block_pairs[e] = atomicAdd(&counts[e], block_pairs[e]);
     grid_barrier(sync, gridDim.x);
-    // 2. One block lays the tiles out and leaves the counts zero for the next step.
-    if (blockIdx.x == 0) {
-        const int count = threadIdx.x < EXPERTS ? __ldcg(counts + threadIdx.x) : 0;
-        if (threadIdx.x < EXPERTS) counts[threadIdx.x] = 0;
-        align_layout(count, cursor, sorted_rows, tile_expert, tile_span, num_tiles);
+    // 2. The layout, this block's share of its map and padding, and each pair's row.
+    layout.build(threadIdx.x < EXPERTS ? __ldcg(counts + threadIdx.x) : 0);
+    layout.write(blockIdx.x * ALIGN_THREADS + threadIdx.x, gridDim.x * ALIGN_THREADS, sorted_rows, tile_expert,
+                 tile_span, num_tiles);
+    for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
+        if (lane >= TOP_K) continue;
+        const int p = t * TOP_K + lane;
+        const int rank = pair_pos[p];  // this thread's own write
+        if (rank < 0) continue;
+        const int e = __ldcg(topk_ids + p);
+        const int pos = layout.first_of[e] * BM + block_pairs[e] + rank;
+        sorted_rows[pos] = p;
+        pair_pos[p] = pos;
+        if (X_PER_ROW) xs_row[pos] = __ldcg(xs_token + t);
     }
-    grid_barrier(sync, 2 * gridDim.x);
-    // 3. Each pair takes its row.
-    scatter_pairs(topk_ids, m * TOP_K, blockIdx.x * ALIGN_THREADS + threadIdx.x, gridDim.x * ALIGN_THREADS, cursor,
-                  sorted_rows, pair_pos, xs_token, xs_row);
 }

@@ -64,17 +64,15 @@ struct Scratch {
     tokens: usize,
     deterministic: bool,
     sorted_rows: CudaSlice<i32>,
-    /// Per-expert pair counts (left zero by each step), and each expert's first free row.
-    counts: CudaSlice<i32>,
-    cursor: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
     /// int2 per tile: (first tile, tiles) of its expert.
     tile_span: CudaSlice<i32>,
     /// Tiles in use, and the hot experts' tiles among them (which come first).
     num_tiles: CudaSlice<i32>,
-    /// The warp-specialised GEMMs' work counters (GEMM1, GEMM2) and moe_prepare's barrier
-    /// counter, zeroed before each step.
+    /// Zeroed before each step by one memset: the warp-specialised GEMMs' work counters (GEMM1,
+    /// GEMM2), moe_prepare's barrier counter, one unused, then moe_prepare's per-expert pair
+    /// counts (`COUNTS_AT`).
     work_counters: CudaSlice<i32>,
     /// GEMM1 output `[max_rows, I]` in the activation dtype.
     mid: CudaSlice<u8>,
@@ -214,13 +212,11 @@ impl GroupedPath {
             tokens,
             deterministic,
             sorted_rows: stream.alloc_zeros(rows)?,
-            counts: stream.alloc_zeros(spec.experts() as usize)?,
-            cursor: stream.alloc_zeros(spec.experts() as usize)?,
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
             tile_span: stream.alloc_zeros(4 * max_tiles)?,
             num_tiles: stream.alloc_zeros(2)?,
-            work_counters: stream.alloc_zeros(3)?,
+            work_counters: stream.alloc_zeros(COUNTS_AT + spec.experts() as usize)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
             xq: stream.alloc_zeros(q(tokens * h))?,
             xs_token: stream.alloc_zeros(q(if self.x_per_token { tokens } else { tokens * h / 128 }))?,
@@ -280,14 +276,14 @@ impl GroupedPath {
             ptr(&s.num_tiles, stream),
         );
         // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
-        // the blocks that fit at once, no more than the tokens' warps or the pairs' threads need.
+        // the blocks that fit at once, no more than the tokens' warps need.
         stream.memset_zeros(&mut s.work_counters)?;
         let (mut logits, mut bias, mut ids, mut weights, mut errors) = (p.logits, p.bias, p.ids, p.weights, p.errors);
-        let (mut counts, mut cursor) = (ptr(&s.counts, stream), ptr(&s.cursor, stream));
+        let mut counts = ptr(&s.work_counters, stream) + 4 * COUNTS_AT as u64;
         let (mut x, mut xq, mut xs_token, mut xs_row) =
             (p.x, ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
         let mut sync = ptr(&s.work_counters, stream) + 8;
-        let need = m.div_ceil((ALIGN_THREADS / 32) as usize).max(pairs.div_ceil(ALIGN_THREADS as usize));
+        let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
         let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
         unsafe {
             let mut args = [
@@ -303,7 +299,6 @@ impl GroupedPath {
                 arg(&mut counts),
                 arg(&mut errors),
                 arg(&mut sync),
-                arg(&mut cursor),
                 arg(&mut sorted),
                 arg(&mut pos),
                 arg(&mut tile_e),
@@ -444,6 +439,9 @@ impl GroupedPath {
         })
     }
 }
+
+/// Where moe_prepare's per-expert counts start in `Scratch::work_counters` (i32 elements).
+const COUNTS_AT: usize = 4;
 
 fn arg<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
