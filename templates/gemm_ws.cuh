@@ -218,6 +218,9 @@ __device__ __forceinline__ void cols_ready() {
 //                              it arrives under the MMAs; returns it as an object for epilogue
 //   epilogue(item, acc, row0, ep, cols, buf)  consumer: the accumulator, rows row0 + lane / 4
 //                              (+ 8) of the tile; buf: the warp's staging (store_warp_rows)
+// EARLY_B: the kernel is a programmatic dependent (griddepcontrol) of one that writes A, not B or
+// the layout: the producer puts the first item's weight k-tiles in flight before it waits for
+// that kernel, so they load under its tail; otherwise every thread waits before ws_gemm.
 // A consumer warpgroup whose 64 rows are all padding (an expert's last tile holding <= 64 pairs:
 // padding rows close a tile; with clusters, also a whole padding tile) keeps the barrier
 // protocol but skips its MMAs and its epilogue.
@@ -227,7 +230,7 @@ __device__ __forceinline__ void cols_ready() {
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
 // consumer warp's 2 KiB of output staging.
-template <int BN, int KT, bool PROMOTE, bool KEEP_A, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
+template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
           class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
@@ -307,12 +310,24 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             const char* rows[S::A_ROWS];
 #pragma unroll
             for (int j = 0; j < S::A_ROWS; ++j) rows[j] = a_row(it, t / 8 + 16 * j);
+            // EARLY_B: the first item's first k-tiles of B go out before the wait for A's writer.
+            constexpr int EARLY = EARLY_B ? (STAGES < KT ? STAGES : KT) : 0;
+            if (EARLY > 0 && i == 0) {
+                if (t == 0)
+                    for (int kt = 0; kt < EARLY; ++kt) {
+                        const unsigned sa = base + kt * S::STAGE_BYTES;
+                        if (kt == 0) stage_item[0] = StageItem{(rows[0] != nullptr) | (rows[4] != nullptr) << 1, it};
+                        mbar_arrive_expect_tx(full(kt), S::B_BYTES);
+                        b_load(it, kt, sa + S::A_BYTES, full(kt), rank);
+                    }
+                pdl_wait();
+            }
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
                 const unsigned sa = base + st * S::STAGE_BYTES;
-                if (t == 0) {
+                if (t == 0 && !(i == 0 && kt < EARLY)) {
                     // Thread 0 holds rows 0 and 64 (padding rows close a tile).
                     if (kt == 0) stage_item[st] = StageItem{(rows[0] != nullptr) | (rows[4] != nullptr) << 1, it};
                     mbar_arrive_expect_tx(full(st), S::B_BYTES);  // both blocks' shares land here
@@ -331,6 +346,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         cp_async_wait<0>();
     } else {
         set_max_regs_inc<CONSUMER_REGS>();
+        if (EARLY_B) pdl_wait();  // the epilogue reads what A's writer wrote (scales)
         const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7
         // This warpgroup's per-column floats (recomputed where used rather than held over the MMAs).
         auto cols = [&] {

@@ -172,6 +172,8 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
               unsigned char* __restrict__ q, float* __restrict__ s) {
+    pdl_wait();  // a programmatic dependent of GEMM1
+    pdl_launch_dependents();
     quant_rows<INTER>(mid, 0, num_tiles, sorted_rows, q, s);
 }
 
@@ -301,6 +303,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     constexpr bool PROMOTE = FP8 && !X_PER_ROW;
     using S = WsShape<BN1, PROMOTE>;
     const int lane = threadIdx.x % 32;
+    pdl_wait();  // moe_prepare's layout, x's e4m3 copy
+    pdl_launch_dependents();
     const int2 counts = tile_counts(num_tiles);
     auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, counts, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
@@ -400,7 +404,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1, PROMOTE, true>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 
@@ -412,6 +416,10 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
+    // The layout is moe_prepare's, complete before GEMM1 (this kernel's predecessor) let this one
+    // launch: GEMM1 signals its dependents only after its own wait on moe_prepare. What GEMM1
+    // writes (mid, its scales) is read after the wait in ws_gemm (EARLY_B).
+    pdl_launch_dependents();
     const int2 counts = tile_counts(num_tiles);
     auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, counts, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
@@ -500,7 +508,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2, FP8, false>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
+    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
                       kscale, promote, prepare, epilogue);
 }
 #else
@@ -513,6 +521,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
           float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     using T = TileShape<BN1>;
+    pdl_wait();  // a programmatic dependent of moe_prepare
+    pdl_launch_dependents();
     const int work = *num_tiles * NT1;
     const int row0 = frag_row0(), col0 = frag_col0<BN1>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
@@ -586,6 +596,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const void* __restrict__ w2, const float* __restrict__ w2_scales,
                                       const float* __restrict__ topk_weights, void* __restrict__ out) {
     using T = TileShape<BN2>;
+    pdl_wait();  // a programmatic dependent of GEMM1 (or moe_quant_mid)
+    pdl_launch_dependents();
     const int work = *num_tiles * NT2;
     const int row0 = frag_row0(), col0 = frag_col0<BN2>();
     for (int w = blockIdx.x; w < work; w += gridDim.x) {
@@ -663,6 +675,7 @@ extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos,
                  const float* __restrict__ topk_weights, int m, act_t* __restrict__ y) {
     static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
+    pdl_wait();  // a programmatic dependent of GEMM2
     const long n = (long)m * HIDDEN / 8;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long t = i / (HIDDEN / 8), c = 8 * (i % (HIDDEN / 8));
@@ -687,6 +700,7 @@ moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_po
 // y = y32 in the activation dtype (after the atomic combine).
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_convert(const float* __restrict__ y32, int m, act_t* __restrict__ y) {
+    pdl_wait();  // a programmatic dependent of GEMM2
     const long n = (long)m * HIDDEN;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         y[i] = (act_t)y32[i];

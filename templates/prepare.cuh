@@ -43,6 +43,7 @@ moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, in
     __shared__ int block_pairs[EXPERTS];  // this block's pairs per expert, then its offset in each
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) block_pairs[e] = 0;
     __syncthreads();
     // 1. Each token's choices, their ranks in the block, and x.

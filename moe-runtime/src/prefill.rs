@@ -1,8 +1,10 @@
 //! The grouped-GEMM (prefill) path of a layer: its kernels, its scratch and its launches.
 //!
 //! prepare (route if given logits, align, [quantize x]; one cooperative launch) -> GEMM1 + SwiGLU
-//! -> [quantize mid] -> GEMM2 + routing weight -> combine. Every buffer is sized on the host from upper bounds known before
-//! launch (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
+//! -> [quantize mid] -> GEMM2 + routing weight -> combine, each kernel after prepare a programmatic
+//! dependent of the one before (it launches while that one drains and waits in griddepcontrol.wait).
+//! Every buffer is sized on the host from upper bounds known before launch
+//! (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
@@ -278,6 +280,10 @@ impl GroupedPath {
         // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
         // the blocks that fit at once, no more than the tokens' warps need.
         stream.memset_zeros(&mut s.work_counters)?;
+        if !deterministic {
+            let mut y32_view = s.out32.slice_mut(0..m * h * 4);
+            stream.memset_zeros(&mut y32_view)?;
+        }
         let (mut logits, mut bias, mut ids, mut weights, mut errors) = (p.logits, p.bias, p.ids, p.weights, p.errors);
         let mut counts = ptr(&s.work_counters, stream) + 4 * COUNTS_AT as u64;
         let (mut x, mut xq, mut xs_token, mut xs_row) =
@@ -366,11 +372,7 @@ impl GroupedPath {
             let mut args = [arg(&mut mid), arg(&mut ntiles), arg(&mut sorted), arg(&mut mq), arg(&mut ms)];
             // Half a warp per 128-element block.
             let grid = elementwise(rows * spec.intermediate() as usize / 128 * 16);
-            unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, false, &mut args)? };
-        }
-        if !deterministic {
-            let mut y32_view = s.out32.slice_mut(0..m * h * 4);
-            stream.memset_zeros(&mut y32_view)?;
+            unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, true, &mut args)? };
         }
         let mut out32 = ptr(&s.out32, stream);
         let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
@@ -395,10 +397,10 @@ impl GroupedPath {
         unsafe {
             if deterministic {
                 let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut weights), arg(&mut m32), arg(&mut y)];
-                launch(&self.fns.combine_rows, stream, elementwise(m * h / 8), ELEMWISE_THREADS, 0, false, &mut args)?;
+                launch(&self.fns.combine_rows, stream, elementwise(m * h / 8), ELEMWISE_THREADS, 0, true, &mut args)?;
             } else {
                 let mut args = [arg(&mut out32), arg(&mut m32), arg(&mut y)];
-                launch(&self.fns.convert, stream, elementwise(m * h), ELEMWISE_THREADS, 0, false, &mut args)?;
+                launch(&self.fns.convert, stream, elementwise(m * h), ELEMWISE_THREADS, 0, true, &mut args)?;
             }
         }
         Ok(())
@@ -414,7 +416,7 @@ impl GroupedPath {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         let dims = (grid, self.tiles.gemm_threads(), self.tiles.smem_bytes(bn));
-        launch_with(f, stream, dims, launch_attrs(false, self.tiles.cluster), args)
+        launch_with(f, stream, dims, launch_attrs(true, self.tiles.cluster), args)
     }
 
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
