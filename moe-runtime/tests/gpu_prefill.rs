@@ -177,9 +177,8 @@ fn alignment_cases(k: usize, cluster: u32) {
 #[ignore = "needs an NVIDIA GPU"]
 fn out_of_range_ids_are_counted_and_their_pairs_skipped() {
     let dev = gpu();
-    let spec = MoeSpec::builder(256, 128, 16, 2).build().unwrap();
-    let w = random_weights(&spec, fresh_seed());
-    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    let (mut layer, w) = small(&dev, Router::default(), 16, 2);
+    let spec = *layer.spec();
     layer.set_validate_routing(false);
     let m = 40;
     let (x, mut ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
