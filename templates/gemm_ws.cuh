@@ -230,8 +230,8 @@ __device__ __forceinline__ void cols_ready() {
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
 // consumer warp's 2 KiB of output staging.
-template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, class Item, class ARow, class BLoad, class KScale, class Promote, class Prepare,
-          class Epilogue>
+template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, class Item, class ARow, class BLoad, class KScale,
+          class Promote, class Prepare, class Epilogue>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
                                         Prepare prepare, Epilogue epilogue) {

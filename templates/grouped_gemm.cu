@@ -404,8 +404,8 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a, b_load,
-                      kscale, promote, prepare, epilogue);
+    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a,
+                                            b_load, kscale, promote, prepare, epilogue);
 }
 
 template <bool ATOMIC>
@@ -508,8 +508,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a, b_load,
-                      kscale, promote, prepare, epilogue);
+    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a,
+                                        b_load, kscale, promote, prepare, epilogue);
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
