@@ -271,13 +271,18 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         const int t = threadIdx.x, c = t % 8;
         const unsigned long long keep = KEEP_A ? l2_evict_last() : 0ull;
         int s = 0;  // k-tiles produced so far: stage s % STAGES, its use number s / STAGES
+        // Blocks of one: thread 0 takes each next item from the counter while it loads the
+        // current item's last k-tile (w_next), so the atomic's round trip overlaps that stage's
+        // wait rather than stalling the producer between items, and the item is taken no more
+        // than a k-tile early (the tail's balance holds).
+        int w_next = 0;
         for (int i = 0;; ++i) {
             // Two slots: thread 0 refills one while the others may still read the other.
             const int slot = i & 1;
             const unsigned slot_addr = smem_u32(const_cast<int*>(next_item + slot));
             if (t == 0) {
                 if (CLUSTER == 1) {
-                    next_item[slot] = atomicAdd(work_counter, 1);
+                    next_item[slot] = i == 0 ? atomicAdd(work_counter, 1) : w_next;
                 } else {
                     // Rank 0 takes the item for the cluster once both producers have read the
                     // slot's previous one, and hands it to each.
@@ -325,6 +330,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
+                if (CLUSTER == 1 && t == 0 && kt == KT - 1) w_next = atomicAdd(work_counter, 1);
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
                 const unsigned sa = base + st * S::STAGE_BYTES;
                 if (t == 0 && !(i == 0 && kt < EARLY)) {
