@@ -6,7 +6,9 @@
 //! object per row to FILE. TFLOP/s counts 2 * M * top_k * 3 * H * I. The ceiling, measured in the
 //! same run, is a dense bf16 8192^3 matmul through cuBLAS. Uniform routing draws each token's
 //! experts at random; skewed routing sends ~85% of assignments to the top eighth of the experts
-//! (at least top_k of them).
+//! (at least top_k of them). `--routings uniform,skewed,balanced` picks the routings; balanced
+//! (not a default) gives every expert the same count, token t taking experts t k .. t k + k - 1
+//! modulo E: no expert's last tile is partly empty where M k / E is a multiple of 128.
 
 use moe_runtime::cudarc::cublas::sys::cublasOperation_t;
 use moe_runtime::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -81,6 +83,7 @@ fn main() {
     } else {
         vec![KernelFamily::GroupedGemm]
     };
+    let routings: Vec<String> = list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into()]);
     // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster]] sets to sweep
     // (default: the spec's).
     let tile_sets: Vec<String> = args
@@ -123,16 +126,23 @@ fn main() {
                     println!("{geo} {format} tiles {tiles:?}: {err}");
                     continue;
                 }
-                let cluster = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
+                let mut cluster = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
+                if tiles.lag > 0 {
+                    cluster += &format!("l{}", tiles.lag);
+                }
                 let tname = format!(
                     "{}x{}x{}s{}b{}{cluster}",
                     tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm
                 );
                 for (&m, &family) in ms.iter().flat_map(|m| families.iter().map(move |f| (m, f))) {
                     layer.set_prefill_threshold(if family == KernelFamily::GroupedGemm { 1 } else { usize::MAX });
-                    for (routing, skew) in [("uniform", 0.0), ("skewed", 0.85)] {
+                    for routing in &routings {
                         let seed = fresh_seed();
-                        let (x, ids, _) = random_step(&spec, m, skew, seed);
+                        let skew = if routing == "skewed" { 0.85 } else { 0.0 };
+                        let (x, mut ids, _) = random_step(&spec, m, skew, seed);
+                        if routing == "balanced" {
+                            ids.iter_mut().enumerate().for_each(|(j, id)| *id = (j % e as usize) as i32);
+                        }
                         let mut rng = SmallRng::seed_from_u64(seed);
                         let logits = logits_for(&ids, m, e as usize, k as usize, &mut rng);
                         let s = layer.stream().clone();

@@ -1,5 +1,5 @@
 // Alignment: the (token, slot) pairs `p = t * TOP_K + s` regrouped by expert into tiles of BM
-// rows, each expert's rows padded to whole clusters of CLUSTER tiles (gemm_ws.cuh), by
+// rows, each expert's rows padded to a whole tile, by
 // moe_prepare (prepare.cuh) with no host synchronisation; the host sizes every buffer from upper
 // bounds (max_tiles).
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
@@ -52,7 +52,7 @@ struct Layout {
     // Every thread of the block; thread e holds expert e's count.
     __device__ __forceinline__ void build(int count) {
         const int tid = threadIdx.x;
-        const int tiles = (count + BM * CLUSTER - 1) / (BM * CLUSTER) * CLUSTER;  // whole clusters of tiles
+        const int tiles = (count + BM - 1) / BM;
         const bool hot = tiles >= HOT_TILES;
         int all, hot_all, hot_experts;
         const int before = block_exclusive_scan(tiles, all);
@@ -97,9 +97,9 @@ struct Layout {
             tile_expert[j] = e;
             tile_span[j] = make_int4(first_of[e], tiles_of[e], e, 0);
         }
-        // Padding: the last tiles * BM - count rows of each expert, fewer than BM * CLUSTER.
-        for (int i = g; i < EXPERTS * BM * CLUSTER; i += threads) {
-            const int e = i / (BM * CLUSTER), r = i % (BM * CLUSTER);
+        // Padding: the last tiles * BM - count rows of each expert, fewer than BM.
+        for (int i = g; i < EXPERTS * BM; i += threads) {
+            const int e = i / BM, r = i % BM;
             if (r < tiles_of[e] * BM - count_of[e]) sorted_rows[(first_of[e] + tiles_of[e]) * BM - 1 - r] = -1;
         }
     }

@@ -5,12 +5,14 @@
 // producer threads' cp.async completions and the TMA's bytes) and an `empty` one (8 arrivals: the
 // consumer warps, once their MMAs have read it) replace the block barrier per k-tile, and the
 // producer runs ahead across tiles, so a tile's epilogue overlaps the next tile's loads.
-// Named barrier 1 syncs the producer warpgroup, 2 and 3 each consumer warpgroup (stage_cols).
-// Clusters (CLUSTER = 2): the two blocks take the two row tiles of one cluster tile (same expert,
-// same column block) and each TMA-multicasts half of the weight k-tile into both blocks' stages,
-// so a weight tile leaves L2 once per two row tiles. A stage is refilled only when both blocks'
-// consumers released it (they arrive on both `empty` barriers), and rank 0 takes each work item
-// from the counter and hands it to both producers (item_full / item_free mbarriers).
+// Named barrier 1 syncs the producer warpgroup, 2 and 3 each consumer warpgroup (stage_cols), 4
+// sets the consumers' lag (WG_LAG).
+// Clusters (CLUSTER = 2): the two blocks take two row tiles of one expert and column block and
+// each TMA-multicasts half of the weight k-tile into both blocks' stages, so a weight tile leaves
+// L2 once per two row tiles (an expert's odd tile goes to both blocks, one column block each,
+// without multicast: see work_item). A stage is refilled only when both blocks' consumers
+// released it (they arrive on both `empty` barriers), and rank 0 takes each work item from the
+// counter and hands it to both producers (item_full / item_free mbarriers).
 // Stages use the layout of gemm_tile.cuh: 128 bytes of K per row, 128-byte swizzle (what TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes, on 1024-byte aligned stages).
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
@@ -64,9 +66,10 @@ __device__ __forceinline__ unsigned long long l2_evict_last() {
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
     return p;
 }
-// TMA the box, to this block only or (CLUSTER > 1) to every block of the cluster.
-__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, int k, int row, unsigned bar) {
-    if (CLUSTER > 1) tma_load_2d_mc(dst, map, k, row, bar, (1u << CLUSTER) - 1);
+// TMA the box to every block of the cluster (multicast) or to this block only.
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, int k, int row, unsigned bar,
+                                              bool multicast) {
+    if (CLUSTER > 1 && multicast) tma_load_2d_mc(dst, map, k, row, bar, (1u << CLUSTER) - 1);
     else tma_load_2d(dst, map, k, row, bar);
 }
 __device__ __forceinline__ int cluster_rank() {
@@ -271,10 +274,10 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         const int t = threadIdx.x, c = t % 8;
         const unsigned long long keep = KEEP_A ? l2_evict_last() : 0ull;
         int s = 0;  // k-tiles produced so far: stage s % STAGES, its use number s / STAGES
-        // Blocks of one: thread 0 takes each next item from the counter while it loads the
-        // current item's last k-tile (w_next), so the atomic's round trip overlaps that stage's
-        // wait rather than stalling the producer between items, and the item is taken no more
-        // than a k-tile early (the tail's balance holds).
+        // Thread 0 (of rank 0) takes each next item from the counter while it loads the current
+        // item's last k-tile (w_next), so the atomic's round trip overlaps that stage's wait
+        // rather than stalling the producer between items, and the item is taken no more than a
+        // k-tile early (the tail's balance holds).
         int w_next = 0;
         for (int i = 0;; ++i) {
             // Two slots: thread 0 refills one while the others may still read the other.
@@ -288,7 +291,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     // slot's previous one, and hands it to each.
                     if (rank == 0) {
                         if (i >= 2) mbar_wait_cluster(item_free(slot), ((i >> 1) - 1) & 1);
-                        const int w = atomicAdd(work_counter, 1);
+                        const int w = i == 0 ? atomicAdd(work_counter, 1) : w_next;
                         for (int r = 0; r < CLUSTER; ++r) {
                             st_cluster(cluster_addr(slot_addr, r), w);
                             mbar_arrive_cluster(cluster_addr(item_full(slot), r));
@@ -330,7 +333,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
                 const int st = s % STAGES;
-                if (CLUSTER == 1 && t == 0 && kt == KT - 1) w_next = atomicAdd(work_counter, 1);
+                if (t == 0 && rank == 0 && kt == KT - 1) w_next = atomicAdd(work_counter, 1);
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
                 const unsigned sa = base + st * S::STAGE_BYTES;
                 if (t == 0 && !(i == 0 && kt < EARLY)) {
@@ -371,15 +374,28 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     for (int r = 0; r < CLUSTER; ++r) mbar_arrive_remote(cluster_addr(empty(st), r));
             }
         };
+        // WG_LAG: warpgroup 1 starts once warpgroup 0 has taken WG_LAG k-tiles (named barrier 4:
+        // warpgroup 0 arrives, 1 waits) and stays that far behind, so that each one's epilogue
+        // runs under the other's MMAs. Warpgroup 0 arrives exactly once: at the top of its k-tile
+        // number WG_LAG, or on leaving with no more than WG_LAG k-tiles taken.
+        const int wg = cw / 4;
+        auto lag_arrive = [&](int taken) {
+            if (WG_LAG > 0 && wg == 0 && taken == WG_LAG) asm volatile("bar.arrive 4, 256;" ::: "memory");
+        };
+        if (WG_LAG > 0 && wg == 1) asm volatile("bar.sync 4, 256;" ::: "memory");
         int s = 0;
         for (;;) {
             mbar_wait(full(s % STAGES), (s / STAGES) & 1);
             const StageItem si = stage_item[s % STAGES];
-            if (si.live < 0) break;
+            if (si.live < 0) {
+                if (s <= WG_LAG) lag_arrive(WG_LAG);
+                break;
+            }
             const It it = si.it;
-            if (!((si.live >> (cw / 4)) & 1)) {
+            if (!((si.live >> wg) & 1)) {
 #pragma unroll 1
                 for (int kt = 0; kt < KT; ++kt, ++s) {
+                    lag_arrive(s);
                     if (kt > 0) mbar_wait(full(s % STAGES), (s / STAGES) & 1);
                     release(s % STAGES);
                 }
@@ -393,6 +409,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 for (int j = 0; j < S::ACC; ++j) acc[j] = 0.f;
 #pragma unroll 1
             for (int kt = 0; kt < KT; ++kt, ++s) {
+                lag_arrive(s);
                 const int st = s % STAGES;
                 const auto sc = kscale(it, kt, row0);  // (a no-op without PROMOTE)
                 if (kt > 0) mbar_wait(full(st), (s / STAGES) & 1);

@@ -41,7 +41,8 @@ constexpr int NT2 = HIDDEN / BN2;
 constexpr int ELEMWISE_THREADS = 256;
 constexpr int GEMM_THREADS = MOE_WS ? 384 : 256;
 constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles share the weight tile (gemm_ws.cuh)
-constexpr int GROUP_TILES = {{ group_tiles }};  // cluster tiles of an expert side by side (work_item)
+constexpr int WG_LAG = {{ lag }};  // k-tiles consumer warpgroup 1 trails warpgroup 0 by (gemm_ws.cuh)
+constexpr int GROUP_TILES = {{ group_tiles }};  // tiles of an expert side by side (work_item)
 constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or more lead the layout (align.cuh)
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
 struct alignas(64) TmaMap {
@@ -180,32 +181,43 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
 {% include "prepare.cuh" %}
 
 // Work item w of a GEMM with nt column blocks -> the row tile of cluster rank `rank`, its column
-// block and expert. Items count cluster tiles (CLUSTER consecutive row tiles; align pads each
-// expert to whole ones). An expert's items run column-block-major over groups of up to
-// GROUP_TILES of its cluster tiles, so the blocks of a wave share each weight tile (and each row
-// tile) through L2 rather than streaming the expert's weights once per row tile.
+// block and expert. Each row tile holds nt / CLUSTER items. An expert's items run
+// column-block-major over groups of up to GROUP_TILES of its tiles, so the blocks of a wave share
+// each weight tile (and each row tile) through L2 rather than streaming the expert's weights once
+// per row tile. In clusters of two, a pair of the group's tiles shares each column block's weight
+// tile (multicast: it leaves L2 once per pair); a group's odd last tile is split by column blocks
+// instead (each block loads its own weights), so experts pad to whole tiles, not to pairs.
 // The layout puts the hot experts' tiles (HOT_TILES or more) first; the counter's order deals
 // their items and the cold experts' evenly into each other, so that the cold items (a tile or two
 // against a whole weight column: DRAM-bound) run beside hot ones (tensor-bound) rather than all
 // together. tile_span[tile] = (first tile, tiles, expert) of its expert; counts = num_tiles =
 // (tiles, hot tiles), loaded once per kernel: an item resolves with one dependent load.
 struct Work {
-    int tile, nblk, e;
+    int tile, nblk;
+    short e;
+    bool multicast;  // the cluster's blocks take two row tiles of one column block
 };
+static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
 __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
-    const long long hot = (long long)(counts.y / CLUSTER) * nt, all = (long long)(counts.x / CLUSTER) * nt;
+    const int per_tile = nt / CLUSTER;
+    const long long hot = (long long)counts.y * per_tile, all = (long long)counts.x * per_tile;
     if (hot > 0 && hot < all) {
         // Of the first w items, hot_before are hot; item w is hot if the count steps past it.
         const long long hot_before = w * hot / all;
         w = (w + 1) * hot / all > hot_before ? (int)hot_before : (int)(hot + w - hot_before);
     }
-    const int4 sp = tile_span[w / nt * CLUSTER];
-    const int first = sp.x / CLUSTER, n = sp.y / CLUSTER;
-    const int l = w - first * nt;
-    const int g = l / (GROUP_TILES * nt);
-    const int gs = min(GROUP_TILES, n - g * GROUP_TILES);
-    const int r = l - g * GROUP_TILES * nt;
-    return Work{(first + g * GROUP_TILES + r % gs) * CLUSTER + rank, r / gs, sp.z};
+    const int4 sp = tile_span[w / per_tile];
+    const int l = w - sp.x * per_tile;
+    const int g = l / (GROUP_TILES * per_tile);
+    const int gs = min(GROUP_TILES, sp.y - g * GROUP_TILES);
+    const int r = l - g * GROUP_TILES * per_tile;
+    const int t0 = sp.x + g * GROUP_TILES;
+    if (CLUSTER == 1) return Work{t0 + r % gs, r / gs, (short)sp.z, false};
+    // Per pair of column blocks r / gs: the gs / 2 tile pairs of the first, then of the second,
+    // then the odd tile (if any) with one column block per block.
+    const int j = r % gs, pairs = gs / 2;
+    if (j < 2 * pairs) return Work{t0 + 2 * (j % pairs) + rank, 2 * (r / gs) + j / pairs, (short)sp.z, true};
+    return Work{t0 + gs - 1, 2 * (r / gs) + rank, (short)sp.z, false};
 }
 __device__ __forceinline__ int2 tile_counts(const int* __restrict__ num_tiles) {
     return make_int2(num_tiles[0], num_tiles[1]);
@@ -311,13 +323,15 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         const int p = sorted_rows[it.tile * BM + r];
         return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
     };
-    // Two boxes, the gate rows then the up rows; in a cluster of two, each block loads one.
+    // Two boxes, the gate rows then the up rows; a cluster of two sharing the tile multicasts one each.
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
         const int row = it.e * 2 * INTER + it.nblk * (BN1 / 2);
         static_assert(2 % CLUSTER == 0, "the two boxes split evenly over the cluster");
+        const int step = it.multicast ? CLUSTER : 1;
 #pragma unroll
-        for (int b = rank; b < 2; b += CLUSTER)
-            tma_load_tile(dst + b * (BN1 / 2) * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + b * INTER, bar);
+        for (int b = it.multicast ? rank : 0; b < 2; b += step)
+            tma_load_tile(dst + b * (BN1 / 2) * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + b * INTER, bar,
+                          it.multicast);
     };
     // k-tile scales: s[h][b] for the thread's row h and the gate (b = 0) or up (1) columns.
     auto kscale = [&](const Work& it, int kt, int row0) {
@@ -404,7 +418,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x / CLUSTER * NT1, work_counter, item, a_row, (const char*)a,
+    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                             b_load, kscale, promote, prepare, epilogue);
 }
 
@@ -427,11 +441,14 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         const int pos = it.tile * BM + r;
         return sorted_rows[pos] < 0 ? nullptr : (const char*)a + (long)pos * INTER * ELEM_BYTES;
     };
-    // The map's boxes are BN2 / CLUSTER rows: each block of a cluster loads its share.
+    // The map's boxes are BN2 / CLUSTER rows: a cluster sharing the tile multicasts one each.
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
         constexpr int ROWS = BN2 / CLUSTER;
-        tma_load_tile(dst + rank * ROWS * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES),
-                      it.e * HIDDEN + it.nblk * BN2 + rank * ROWS, bar);
+        const int step = it.multicast ? CLUSTER : 1;
+#pragma unroll
+        for (int b = it.multicast ? rank : 0; b < CLUSTER; b += step)
+            tma_load_tile(dst + b * ROWS * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), it.e * HIDDEN + it.nblk * BN2 + b * ROWS,
+                          bar, it.multicast);
     };
     // k-tile scales: s[h][b] for the thread's row h and the 128-column block b of the tile.
     auto kscale = [&](const Work& it, int kt, int row0) {
@@ -508,7 +525,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x / CLUSTER * NT2, work_counter, item, a_row, (const char*)a,
+    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                         b_load, kscale, promote, prepare, epilogue);
 }
 #else

@@ -36,8 +36,9 @@ pub struct GemmTiles {
     pub warp_specialized: bool,
     /// Blocks per cluster (warp-specialised only): 2 pairs row tiles of one expert, and each
     /// block multicasts half of the shared weight tile to both (TMA), so every weight byte
-    /// leaves L2 once per pair of row tiles. Each expert's rows then pad to `bm * cluster`.
-    /// Off by default. Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
+    /// leaves L2 once per pair of row tiles; an expert's odd tile runs on both blocks, one column
+    /// block each (so both GEMMs need an even number of column blocks). Off by default.
+    /// (Before 2026-11-23 experts padded to whole pairs of tiles, which the figures below had.) Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
     /// 2026-11-22): GEMM1's L2 reads fell by 23% (Qwen3-30B-A3B bf16, M = 4096), yet Qwen3-30B-A3B
     /// ran slower at M = 4096 (bf16 797 -> 851-866 us, fp8 775 -> 883-935 us: with 2-3 row tiles per
     /// expert the pairs add padding tiles, and each stage waits on both blocks' consumers), and
@@ -45,6 +46,10 @@ pub struct GemmTiles {
     /// TFLOP/s, uniform / skewed) while its weight-streaming steps lost (M = 64 975 -> 1106 us bf16,
     /// 597 -> 890 us fp8: half as many weight tiles in flight).
     pub cluster: u32,
+    /// Warp-specialised only: consumer warpgroup 1 starts this many k-tiles behind warpgroup 0
+    /// and stays behind (each stage waits for both), so that each one's epilogue falls under the
+    /// other's MMAs rather than both idling the tensor cores at once. At most `stages - 2`.
+    pub lag: u32,
 }
 
 fn is_fp8(f: WeightFormat) -> bool {
@@ -104,6 +109,7 @@ impl GemmTiles {
                 mma,
                 warp_specialized: true,
                 cluster,
+                lag: 0,
             };
         }
         if mma == Mma::Wgmma {
@@ -119,6 +125,7 @@ impl GemmTiles {
                 mma,
                 warp_specialized: true,
                 cluster,
+                lag: 0,
             };
         }
         GemmTiles {
@@ -132,21 +139,24 @@ impl GemmTiles {
             mma,
             warp_specialized: false,
             cluster: 1,
+            lag: 0,
         }
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster]]` (e.g. `128,128,4,1`, `256,256,4,1,0`
-    /// or `256,256,4,1,1,1`) over these defaults; `ws` is 1 for the warp-specialised pipeline, 0
-    /// for the block-barrier one (which implies cluster 1).
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag]]]` (e.g. `128,128,4,1`,
+    /// `256,256,4,1,0` or `256,256,4,1,1,1,1`) over these defaults; `ws` is 1 for the
+    /// warp-specialised pipeline, 0 for the block-barrier one (which implies cluster 1, lag 0).
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
         let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
-        let (bn1, bn2, stages, blocks_per_sm, ws, cluster) = match v[..] {
-            [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster),
-            [a, b, c, d, w @ (0 | 1)] => (a, b, c, d, w == 1, if w == 1 { self.cluster.max(1) } else { 1 }),
-            [a, b, c, d, w @ (0 | 1), cl] => (a, b, c, d, w == 1, cl),
+        let (bn1, bn2, stages, blocks_per_sm, ws, cluster, lag) = match v[..] {
+            [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster, self.lag),
+            [a, b, c, d, 0] => (a, b, c, d, false, 1, 0),
+            [a, b, c, d, 1] => (a, b, c, d, true, self.cluster.max(1), self.lag),
+            [a, b, c, d, w @ (0 | 1), cl] => (a, b, c, d, w == 1, cl, self.lag),
+            [a, b, c, d, w @ (0 | 1), cl, l] => (a, b, c, d, w == 1, cl, l),
             _ => return None,
         };
-        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, ..self })
+        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, ..self })
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages, 1 KiB of alignment
@@ -179,11 +189,10 @@ impl GemmTiles {
         }
     }
 
-    /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to whole
-    /// clusters of tiles, so at most `pairs / bm` full ones plus `cluster` per non-empty expert.
+    /// The most tiles `pairs` routed (token, slot) pairs can fill: every expert pads to a whole
+    /// tile, so at most `pairs / bm` full ones plus one per non-empty expert.
     pub fn max_tiles(&self, pairs: usize, experts: u32) -> usize {
-        let cl = self.cluster as usize;
-        (cl * pairs).min(pairs / self.bm as usize + cl * pairs.min(experts as usize))
+        pairs.min(pairs / self.bm as usize + pairs.min(experts as usize))
     }
 }
 
@@ -244,6 +253,7 @@ struct GroupedGemmCu {
     stages: u32,
     blocks_per_sm: u32,
     cluster: u32,
+    lag: u32,
     mid_fp8: bool,
     x_per_row: bool,
     elem_bytes: u32,
@@ -272,6 +282,13 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
             tiles.cluster
         )));
     }
+    if tiles.lag > 0 && (!tiles.warp_specialized || tiles.lag + 2 > tiles.stages) {
+        return Err(unsupported(format!(
+            "a warpgroup lag of {} k-tiles (warp-specialised only, at most stages - 2 = {})",
+            tiles.lag,
+            tiles.stages.saturating_sub(2)
+        )));
+    }
     let (h, i) = (spec.hidden(), spec.intermediate());
     let fp8 = is_fp8(spec.weight_format());
     // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
@@ -291,6 +308,15 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     }
     if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
         return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
+    }
+    // A cluster splits an expert's odd tile by column blocks.
+    if (i / (tiles.bn1 / 2)) % tiles.cluster != 0 || (h / tiles.bn2) % tiles.cluster != 0 {
+        return Err(unsupported(format!(
+            "clusters of {} with {} and {} column blocks (hidden {h}, intermediate {i}, tiles {tiles:?})",
+            tiles.cluster,
+            i / (tiles.bn1 / 2),
+            h / tiles.bn2
+        )));
     }
     let f = spec.weight_format();
     let (elem_bytes, mma_type, wscale) = match f {
@@ -325,8 +351,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     let t = tiles;
     let ws = if t.warp_specialized { "_ws" } else { "" };
     let cl = if t.cluster > 1 { format!("c{}", t.cluster) } else { String::new() };
+    let lag = if t.lag > 0 { format!("l{}", t.lag) } else { String::new() };
     let name = format!(
-        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}",
+        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}{lag}",
         spec.id(),
         t.bm,
         t.bn1,
@@ -352,6 +379,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         stages: tiles.stages,
         blocks_per_sm: tiles.blocks_per_sm,
         cluster: tiles.cluster,
+        lag: tiles.lag,
         mid_fp8: tiles.quantizes_mid(spec),
         x_per_row: x_per_token(f),
         elem_bytes,
@@ -542,6 +570,24 @@ mod tests {
     }
 
     #[test]
+    fn a_warpgroup_lag_is_a_template_constant_of_the_warp_specialised_pipeline() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
+        let ws = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert_eq!(ws.lag, 0);
+        let lagged = ws.parse("256,256,4,1,1,1,2").unwrap();
+        assert_eq!((lagged.cluster, lagged.lag), (1, 2));
+        let k = render_grouped(&s, Arch::Sm90a, lagged).unwrap();
+        assert!(k.source.contains("constexpr int WG_LAG = 2;") && k.name.ends_with("_wsl2"), "{}", k.name);
+        assert_ne!(k.name, render_grouped(&s, Arch::Sm90a, ws).unwrap().name, "part of the cache key");
+        // At most stages - 2 (the first stage warpgroup 0 waits for must be free), and only
+        // where there are warpgroups.
+        for bad in [GemmTiles { lag: 3, ..ws }, GemmTiles { lag: 1, ..ws.parse("128,128,4,1,0").unwrap() }] {
+            assert!(matches!(render_grouped(&s, Arch::Sm90a, bad), Err(CodegenError::Unsupported { .. })), "{bad:?}");
+        }
+        assert_eq!(ws.parse("256,256,4,1,0").map(|t| t.lag), Some(0));
+    }
+
+    #[test]
     fn router_is_baked_in() {
         let s = spec(2048, 768, 256, 8, WeightFormat::Bf16)
             .with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5)))
@@ -553,12 +599,22 @@ mod tests {
     }
 
     #[test]
+    fn clusters_need_an_even_number_of_column_blocks() {
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let t = GemmTiles { cluster: 2, ..GemmTiles::for_spec(&s, Arch::Sm90a) };
+        assert!(render_grouped(&s, Arch::Sm90a, t).is_ok());
+        // 640 / 128 = 5 column blocks in GEMM1.
+        let odd = spec(2048, 640, 128, 8, WeightFormat::Bf16);
+        let err = render_grouped(&odd, Arch::Sm90a, t).unwrap_err().to_string();
+        assert!(err.contains("column blocks"), "{err}");
+    }
+
+    #[test]
     fn max_tiles_bounds_every_histogram() {
         let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, WeightFormat::Bf16), Arch::Sm90a);
         for cluster in [1u32, 2] {
             let t = GemmTiles { cluster, ..t };
-            let cl = cluster as usize;
-            let tiles = |c: usize| c.div_ceil(128 * cl) * cl;
+            let tiles = |c: usize| c.div_ceil(128);
             for pairs in [1usize, 8, 127, 128, 129, 255, 257, 1000, 32768] {
                 // Worst case: one pair on each of min(E, pairs) - 1 experts, the rest on one.
                 let e = 128usize.min(pairs);

@@ -106,14 +106,16 @@ fn alignment_is_an_expert_contiguous_padded_permutation() {
     }
 }
 
-/// `cluster`: the GEMM blocks per cluster, whose row tiles each expert pads to (warp-specialised
-/// pipeline only; elsewhere the case runs with the device's default tiles).
+/// `cluster`: the GEMM blocks per cluster (warp-specialised pipeline only; elsewhere the case runs
+/// with the device's default tiles), which must not change the padding.
 fn alignment_cases(k: usize, cluster: u32) {
     let dev = gpu();
     let (mut layer, _) = small(&dev, Router::default(), 32, k as u32);
     let tiles = layer.grouped_tiles().unwrap();
-    if tiles.warp_specialized {
-        layer.set_grouped_tiles(&dev, moe_codegen::GemmTiles { cluster, ..tiles }).unwrap();
+    if tiles.warp_specialized && cluster > 1 {
+        // Two column blocks per GEMM, which a cluster splits an expert's odd tile over.
+        let t = moe_codegen::GemmTiles { cluster, bn1: 128, bn2: 128, ..tiles };
+        layer.set_grouped_tiles(&dev, t).unwrap();
     }
     let e = 32usize;
     let mut rng = SmallRng::seed_from_u64(fresh_seed());
@@ -128,9 +130,9 @@ fn alignment_cases(k: usize, cluster: u32) {
             let (sorted, pos, tile_e, ntiles) = (a.sorted_rows, a.pair_pos, a.tile_expert, a.num_tiles);
             let mut count = vec![0usize; e];
             ids.iter().for_each(|&i| count[i as usize] += 1);
-            // Each expert pads to whole clusters of 128-row tiles.
+            // Each expert pads to whole 128-row tiles, in clusters too.
             let cl = layer.grouped_tiles().unwrap().cluster as usize;
-            let tiles_of = |c: usize| c.div_ceil(128 * cl) * cl;
+            let tiles_of = |c: usize| c.div_ceil(128);
             let want_tiles: usize = count.iter().map(|&c| tiles_of(c)).sum();
             assert_eq!(ntiles as usize, want_tiles, "{name} m={m}");
             // Tiles in expert order, the hot experts' (HOT_TILES or more) first, each expert's count
@@ -349,7 +351,8 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
 }
 
 /// The pipelines the device does not take by default: on an H100 the warp-specialised kernels
-/// in 2-block clusters (the weight tile multicast) and (fp8) with 128-column tiles, the
+/// in 2-block clusters (the weight tile multicast), with consumer warpgroups two k-tiles apart
+/// and (fp8) with 128-column tiles, the
 /// block-barrier wgmma kernels and the ldmatrix + mma.sync ones (what sm_100a and sm_120a run),
 /// bf16 and fp8, both combines.
 #[test]
@@ -368,6 +371,7 @@ fn every_gemm_pipeline_matches_reference() {
             |t: GemmTiles| if format == WeightFormat::Bf16 { t } else { GemmTiles { bn1: 128, bn2: 128, ..t } };
         let others = [
             GemmTiles { cluster: 2, ..defaults },
+            GemmTiles { lag: 2, ..defaults },
             // fp8: 128-column tiles, whose mid is quantized by moe_quant_mid rather than GEMM1
             // (bf16: the defaults again, skipped).
             if format == WeightFormat::Bf16 { defaults } else { narrow(GemmTiles { stages: 6, ..defaults }) },

@@ -46,3 +46,30 @@ fn every_variant_compiles_for_every_arch() {
     });
     assert!(failures.is_empty(), "{} of {} failed:\n{}", failures.len(), jobs.len(), failures.join("\n"));
 }
+
+/// The warp-specialised grouped GEMMs' options that are not defaults (so not among the variants
+/// above): 2-block clusters and a consumer warpgroup lag, each compiled for sm_90a in each format
+/// the grouped family takes.
+#[test]
+fn warp_specialised_options_compile_for_sm90a() {
+    use moe_codegen::{grouped_support, render_grouped, GemmTiles, MoeSpec, WeightFormat};
+    let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
+    let mut compiled = 0;
+    for &(_, h, i, e, k) in &REFERENCE_GEOMETRIES {
+        for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Fp8E4m3B128] {
+            let Ok(spec) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
+            if grouped_support(&spec).is_err() {
+                continue;
+            }
+            let defaults = GemmTiles::for_spec(&spec, Arch::Sm90a);
+            for tiles in [GemmTiles { cluster: 2, ..defaults }, GemmTiles { lag: 2, ..defaults }] {
+                let Ok(src) = render_grouped(&spec, Arch::Sm90a, tiles) else { continue };
+                let c = compile(&src, &CompileOptions::for_arch(tk, Arch::Sm90a))
+                    .unwrap_or_else(|e| panic!("{}: {e}", src.name));
+                assert!(c.cubin.starts_with(b"\x7fELF"));
+                compiled += 1;
+            }
+        }
+    }
+    assert!(compiled >= 12, "only {compiled} variants rendered");
+}
