@@ -234,17 +234,31 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
     store_pair(mid + (long)row * INTER + n, moe_act(g[0] * sg0) * (u[0] * su0), moe_act(g[1] * sg1) * (u[1] * su1));
 }
 
+// A consumer thread's per-channel scales (cols, WSCALE 1) of its columns 8 q + 2 (lane % 4) + 0, 1
+// of the tile (fragment q); 1 without them.
+__device__ __forceinline__ float2 col_scale(const float* cols, int lane, int q) {
+    return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + 8 * q + 2 * (lane % 4)) : make_float2(1.f, 1.f);
+}
+// col_scale of fragments 0 .. N - 1, in registers before an epilogue's shared-memory stores, behind
+// which each load would otherwise wait (the stores' asm clobbers memory) and stall its multiplies.
+template <int N>
+struct ThreadCols {
+    float2 v[N];
+};
+template <int N>
+__device__ __forceinline__ ThreadCols<N> thread_cols(const float* cols, int lane) {
+    ThreadCols<N> c;
+#pragma unroll
+    for (int q = 0; q < N; ++q) c.v[q] = col_scale(cols, lane, q);
+    return c;
+}
+
 // The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
-// in q + NQ) in row h, rounded to act_t; with per-channel scales, gate and up scale column n of
-// the tile at cols[n] and cols[NQ * 8 + n], and xs is the row's activation scale (X_PER_ROW).
+// in q + NQ) in row h, rounded to act_t; g and u: the gate and up column scales (col_scale), xs
+// the row's activation scale (X_PER_ROW).
 template <int NQ>
-__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, int n, const float* cols, float xs) {
-    float2 sg = make_float2(xs, xs), su = sg;
-    if (WSCALE == 1) {
-        const float2 g = *reinterpret_cast<const float2*>(cols + n), u = *reinterpret_cast<const float2*>(cols + NQ * 8 + n);
-        sg = make_float2(g.x * xs, g.y * xs);
-        su = make_float2(u.x * xs, u.y * xs);
-    }
+__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, float2 g, float2 u, float xs) {
+    const float2 sg = make_float2(g.x * xs, g.y * xs), su = make_float2(u.x * xs, u.y * xs);
     return make_float2((float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
                        (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
 }
@@ -370,14 +384,21 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
         constexpr int NQ = S::NF / 2;
         if constexpr (WSCALE == 1) cols_ready();
         if constexpr (MID_FP8) {
+            // Both rows' activations first, each column's scales loaded once (ahead of the
+            // staging stores) and the accumulator consumed as they fill.
+            float vh[2][NQ][2];
+#pragma unroll
+            for (int q = 0; q < NQ; ++q) {
+                const float2 sg = col_scale(cols, lane, q), su = col_scale(cols, lane, q + NQ);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float2 g = swiglu_pair<NQ>(acc, q, h, sg, su, ep.xs[h]);
+                    vh[h][q][0] = g.x, vh[h][q][1] = g.y;
+                }
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float v[NQ][2];
-#pragma unroll
-                for (int q = 0; q < NQ; ++q) {
-                    const float2 g = swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols, ep.xs[h]);
-                    v[q][0] = g.x, v[q][1] = g.y;
-                }
+                const auto& v = vh[h];
                 // A row's 128 columns of the tile lie in the four lanes of a quad: its amax in two shuffles.
                 float amax = 0.f;
 #pragma unroll
@@ -410,8 +431,9 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
             }
             __syncwarp();
         } else {
+            const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
             store_warp_rows<NQ>(
-                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, 8 * q + 2 * (lane % 4), cols, ep.xs[h]); },
+                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, sc.v[q], sc.v[q + NQ], ep.xs[h]); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0 ? nullptr
                                                        : mid + (long)(it.tile * BM + row0 + r) * INTER + it.nblk * (BN1 / 2);
@@ -480,17 +502,12 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     };
     auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
         if constexpr (WSCALE == 1) cols_ready();
-        auto scale = [&](int n) {  // the scales of the thread's columns n, n + 1 of the tile
-            return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + n) : make_float2(1.f, 1.f);
-        };
+        const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
         if (!ATOMIC) {
             // The routing weight is applied by the combine (moe_combine_rows).
             store_warp_rows<S::NF>(
                 buf,
-                [&](int q, int h) {
-                    const float2 sc = scale(8 * q + 2 * (lane % 4));
-                    return make_float2(acc[q * 4 + 2 * h] * sc.x, acc[q * 4 + 2 * h + 1] * sc.y);
-                },
+                [&](int q, int h) { return make_float2(acc[q * 4 + 2 * h] * sc.v[q].x, acc[q * 4 + 2 * h + 1] * sc.v[q].y); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0
                                ? nullptr
@@ -508,12 +525,11 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 #pragma unroll
         for (int nf = 0; nf < S::NF; ++nf) {
             const int n = 8 * nf + 2 * (lane % 4);
-            const float2 sc = scale(n);
             float v[2][2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                v[h][0] = acc[nf * 4 + 2 * h] * rw[h] * sc.x;
-                v[h][1] = acc[nf * 4 + 2 * h + 1] * rw[h] * sc.y;
+                v[h][0] = acc[nf * 4 + 2 * h] * rw[h] * sc.v[nf].x;
+                v[h][1] = acc[nf * 4 + 2 * h + 1] * rw[h] * sc.v[nf].y;
             }
             const float r0 = __shfl_xor_sync(MOE_FULL_MASK, odd ? v[0][0] : v[1][0], 1);
             const float r1 = __shfl_xor_sync(MOE_FULL_MASK, odd ? v[0][1] : v[1][1], 1);
