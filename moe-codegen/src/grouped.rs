@@ -37,8 +37,13 @@ pub struct GemmTiles {
     /// Blocks per cluster (warp-specialised only): 2 pairs row tiles of one expert, and each
     /// block multicasts half of the shared weight tile to both (TMA), so every weight byte
     /// leaves L2 once per pair of row tiles; an expert's odd tile runs on both blocks, one column
-    /// block each (so both GEMMs need an even number of column blocks). Off by default.
-    /// (Before 2026-11-23 experts padded to whole pairs of tiles, which the figures below had.) Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
+    /// block each (so both GEMMs need an even number of column blocks). The default where both
+    /// GEMMs' work items are at least 32 k-tiles long, which amortise the pair's lockstep (each
+    /// stage waits for both blocks' consumers) and the item's hand-over: on the H100 (2026-11-23)
+    /// Mixtral-8x7B bf16 at M = 4096 ran 5-10% faster in clusters (skewed 588-614 -> 615-675
+    /// TFLOP/s over five rounds), fp8 and the other sizes within the spread, while Qwen3-30B-A3B
+    /// (6-32 k-tiles per item) ran 2-4% slower. Figures below are from before 2026-11-23, when
+    /// experts padded to whole pairs of tiles. Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
     /// 2026-11-22): GEMM1's L2 reads fell by 23% (Qwen3-30B-A3B bf16, M = 4096), yet Qwen3-30B-A3B
     /// ran slower at M = 4096 (bf16 797 -> 851-866 us, fp8 775 -> 883-935 us: with 2-3 row tiles per
     /// expert the pairs add padding tiles, and each stage waits on both blocks' consumers), and
@@ -89,21 +94,28 @@ pub const HOT_TILES: u32 = 4;
 
 impl GemmTiles {
     /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
-    /// divides (else 64), one block per SM; wgmma on sm_90a.
+    /// divides (else 64), one block per SM; wgmma on sm_90a, in two-block clusters where work
+    /// items are long.
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
         let fp8 = is_fp8(spec.weight_format());
         let (h, i) = (spec.hidden(), spec.intermediate());
         let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
         let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
-        let cluster = 1; // see `GemmTiles::cluster`
+        // Two-block clusters where every work item is long: at least 32 k-tiles in both GEMMs
+        // (see `GemmTiles::cluster`), and both have an even number of column blocks.
+        let elem = if fp8 { 1 } else { 2 };
+        let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
+        let long_items = h * elem / 128 >= 32 && i * elem / 128 >= 32;
+        let even = (i / (bn1 / 2)) % 2 == 0 && (h / bn2) % 2 == 0;
+        let cluster = if long_items && even { 2 } else { 1 };
         if mma == Mma::Wgmma && !fp8 {
             // bf16 / fp16 on wgmma: 128 x 256 tiles in both GEMMs (4 stages of 48 KiB), which on
             // the block-barrier pipeline already beat 128 x 128 (H200, M = 4096: Qwen3-30B-A3B 358
             // against 336 TFLOP/s, Mixtral 497 against 422).
             return GemmTiles {
                 bm: 128,
-                bn1: 2 * widest(i, &[128, 64, 32]),
-                bn2: widest(h, &[256, 128, 64]),
+                bn1,
+                bn2,
                 stages: 4,
                 blocks_per_sm: 1,
                 mma,
@@ -118,8 +130,8 @@ impl GemmTiles {
             // tiles moved as many bytes from L2 per FLOP as bf16's 128 x 256 at twice the rate.
             return GemmTiles {
                 bm: 128,
-                bn1: 2 * widest(i, &[128, 64, 32]),
-                bn2: widest(h, &[256, 128, 64]),
+                bn1,
+                bn2,
                 stages: 4,
                 blocks_per_sm: 1,
                 mma,
@@ -566,7 +578,16 @@ mod tests {
         assert!(
             GemmTiles::for_spec(&s, Arch::Sm100a).cluster == 1 && GemmTiles::for_spec(&s, Arch::Sm120a).cluster == 1
         );
-        assert_eq!(GemmTiles::for_spec(&s, Arch::Sm90a).cluster, 1, "off by default");
+        assert_eq!(GemmTiles::for_spec(&s, Arch::Sm90a).cluster, 1, "off for short items");
+        // Mixtral-8x7B: 32 or more k-tiles per item in both GEMMs, even column blocks.
+        for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+            let m = spec(4096, 14336, 8, 2, f);
+            assert_eq!(GemmTiles::for_spec(&m, Arch::Sm90a).cluster, 2, "{f}");
+            assert_eq!(GemmTiles::for_spec(&m, Arch::Sm120a).cluster, 1, "{f}");
+            assert!(render_grouped(&m, Arch::Sm90a, GemmTiles::for_spec(&m, Arch::Sm90a)).is_ok());
+        }
+        // gpt-oss-20b: long items, but 45 column blocks.
+        assert_eq!(GemmTiles::for_spec(&spec(2880, 2880, 32, 4, WeightFormat::Bf16), Arch::Sm90a).cluster, 1);
     }
 
     #[test]
