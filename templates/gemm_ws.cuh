@@ -248,11 +248,11 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     // Each stage's work item as the producer resolved it, so that consumers start an item without
     // global loads: live bit h = rows 64 h .. of the tile hold pairs; live = -1: no more work.
     using It = decltype(item(0, 0));
-    struct StageItem {
+    struct alignas(16) StageItem {
         int live;
         It it;
     };
-    static_assert(sizeof(StageItem) <= 16, "a 16-byte slot per stage");
+    static_assert(sizeof(StageItem) == 16, "a 16-byte slot per stage, read as one int4");
     StageItem* stage_item = reinterpret_cast<StageItem*>(smem_raw + (bars + 16 * STAGES + 32 - smem_u32(smem_raw)));
     volatile int* next_item = reinterpret_cast<volatile int*>(smem_raw + (bars + 32 * STAGES + 32 - smem_u32(smem_raw)));
     const int rank = CLUSTER > 1 ? cluster_rank() : 0;
@@ -263,7 +263,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         }
         for (int slot = 0; slot < 2; ++slot) {
             mbar_init(item_full(slot), 1);
-            mbar_init(item_free(slot), CLUSTER);
+            mbar_init(item_free(slot), 4 * CLUSTER);  // every producer warp of the cluster
         }
         mbar_init_fence();
     }
@@ -297,13 +297,18 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                             mbar_arrive_cluster(cluster_addr(item_full(slot), r));
                         }
                     }
-                    mbar_wait_cluster(item_full(slot), (i >> 1) & 1);
                 }
             }
+            // Each producer warp's lane 0 reads the slot (with clusters, once it has acquired the
+            // hand-over itself) and the warp takes it by a shuffle; that lane then tells rank 0
+            // that its warp is done with the previous slot. The reader being the thread that
+            // synchronises keeps the hand-over free of cross-thread (and cross-block) ordering.
+            if (CLUSTER > 1 && t % 32 == 0) mbar_wait_cluster(item_full(slot), (i >> 1) & 1);
             asm volatile("bar.sync 1, 128;" ::: "memory");
-            const int w = next_item[slot];
-            // Every producer thread has read the previous slot (it passed this barrier since).
-            if (CLUSTER > 1 && t == 0 && i > 0) mbar_arrive_cluster(cluster_addr(item_free(slot ^ 1), 0));
+            int w = 0;
+            if (t % 32 == 0) w = next_item[slot];
+            w = __shfl_sync(0xffffffffu, w, 0);
+            if (CLUSTER > 1 && t % 32 == 0 && i > 0) mbar_arrive_cluster(cluster_addr(item_free(slot ^ 1), 0));
             if (w >= work) {  // tell the consumers: a stage with no data and live = -1
                 const int st = s % STAGES;
                 mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
@@ -386,7 +391,18 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         int s = 0;
         for (;;) {
             mbar_wait(full(s % STAGES), (s / STAGES) & 1);
-            const StageItem si = stage_item[s % STAGES];
+            // Lane 0 reads the item and the warp takes it by shuffles: the lane that will release
+            // the stage has then itself made the only read the producer's next write must follow.
+            StageItem si;
+            {
+                int4 v = make_int4(0, 0, 0, 0);
+                if (threadIdx.x % 32 == 0) v = *reinterpret_cast<const int4*>(&stage_item[s % STAGES]);
+                v.x = __shfl_sync(0xffffffffu, v.x, 0);
+                v.y = __shfl_sync(0xffffffffu, v.y, 0);
+                v.z = __shfl_sync(0xffffffffu, v.z, 0);
+                v.w = __shfl_sync(0xffffffffu, v.w, 0);
+                memcpy(&si, &v, sizeof(si));
+            }
             if (si.live < 0) {
                 if (s <= WG_LAG) lag_arrive(WG_LAG);
                 break;
