@@ -5,8 +5,8 @@
 //   sorted_rows[tile * BM + r]  pair in that row, -1 for padding
 //   pair_pos[p]                 the row holding pair p (the combine's inverse map), -1 if its id was bad
 //   tile_expert[tile]           the expert of a tile; *num_tiles tiles are used
-//   tile_span[tile]             (first tile, tiles, expert, 0) of that expert, for the GEMMs' work
-//                               order (one load resolves a work item)
+//   tile_span[tile]             (first tile, tiles, expert, pairs) of that expert, for the GEMMs'
+//                               work order (one load resolves a work item)
 //   num_tiles[1]                the hot experts' tiles, which come first (Layout)
 // Out-of-range ids are skipped and counted in *errors.
 constexpr int ALIGN_THREADS = 1024;
@@ -95,7 +95,7 @@ struct Layout {
             }
             const int e = expert_ord[lo];
             tile_expert[j] = e;
-            tile_span[j] = make_int4(first_of[e], tiles_of[e], e, 0);
+            tile_span[j] = make_int4(first_of[e], tiles_of[e], e, count_of[e]);
         }
         // Padding: the last tiles * BM - count rows of each expert, fewer than BM.
         for (int i = g; i < EXPERTS * BM; i += threads) {

@@ -190,12 +190,14 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
 // The layout puts the hot experts' tiles (HOT_TILES or more) first; the counter's order deals
 // their items and the cold experts' evenly into each other, so that the cold items (a tile or two
 // against a whole weight column: DRAM-bound) run beside hot ones (tensor-bound) rather than all
-// together. tile_span[tile] = (first tile, tiles, expert) of its expert; counts = num_tiles =
-// (tiles, hot tiles), loaded once per kernel: an item resolves with one dependent load.
+// together. tile_span[tile] = (first tile, tiles, expert, pairs) of its expert; counts = num_tiles =
+// (tiles, hot tiles), loaded once per kernel: an item resolves with one dependent load, which
+// also gives the rows of its tile that hold pairs (the rest close the expert's last tile).
 struct Work {
-    int tile, nblk;
-    short e;
-    bool multicast;  // the cluster's blocks take two row tiles of one column block
+    int tile;
+    short nblk, e;
+    unsigned char rows;  // rows 0 .. rows - 1 of the tile hold pairs
+    bool multicast;      // the cluster's blocks take two row tiles of one column block
 };
 static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
 __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
@@ -212,12 +214,16 @@ __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict_
     const int gs = min(GROUP_TILES, sp.y - g * GROUP_TILES);
     const int r = l - g * GROUP_TILES * per_tile;
     const int t0 = sp.x + g * GROUP_TILES;
-    if (CLUSTER == 1) return Work{t0 + r % gs, r / gs, (short)sp.z, false};
+    auto at = [&](int tile, int nblk, bool multicast) {
+        const int rows = max(0, min(BM, sp.w - (tile - sp.x) * BM));
+        return Work{tile, (short)nblk, (short)sp.z, (unsigned char)rows, multicast};
+    };
+    if (CLUSTER == 1) return at(t0 + r % gs, r / gs, false);
     // Per pair of column blocks r / gs: the gs / 2 tile pairs of the first, then of the second,
     // then the odd tile (if any) with one column block per block.
     const int j = r % gs, pairs = gs / 2;
-    if (j < 2 * pairs) return Work{t0 + 2 * (j % pairs) + rank, 2 * (r / gs) + j / pairs, (short)sp.z, true};
-    return Work{t0 + gs - 1, 2 * (r / gs) + rank, (short)sp.z, false};
+    if (j < 2 * pairs) return at(t0 + 2 * (j % pairs) + rank, 2 * (r / gs) + j / pairs, true);
+    return at(t0 + gs - 1, 2 * (r / gs) + rank, false);
 }
 __device__ __forceinline__ int2 tile_counts(const int* __restrict__ num_tiles) {
     return make_int2(num_tiles[0], num_tiles[1]);
@@ -458,10 +464,10 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     pdl_launch_dependents();
     const int2 counts = tile_counts(num_tiles);
     auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, counts, rank); };
-    // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 may have skipped them).
+    // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 skipped them).
+    // The item's span tells them apart: the producer's rows need no load of their own.
     auto a_row = [&](const Work& it, int r) -> const char* {
-        const int pos = it.tile * BM + r;
-        return sorted_rows[pos] < 0 ? nullptr : (const char*)a + (long)pos * INTER * ELEM_BYTES;
+        return r < it.rows ? (const char*)a + ((long)it.tile * BM + r) * INTER * ELEM_BYTES : nullptr;
     };
     // The map's boxes are BN2 / CLUSTER rows: a cluster sharing the tile multicasts one each.
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {

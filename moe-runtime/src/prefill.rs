@@ -42,7 +42,7 @@ pub struct Alignment {
     pub pair_pos: Vec<i32>,
     /// Expert of each tile.
     pub tile_expert: Vec<i32>,
-    /// (first tile, tiles, expert, 0) of each tile's expert, flattened.
+    /// (first tile, tiles, expert, pairs) of each tile's expert, flattened.
     pub tile_span: Vec<i32>,
     /// Tiles in use.
     pub num_tiles: i32,
@@ -68,7 +68,7 @@ struct Scratch {
     sorted_rows: CudaSlice<i32>,
     pair_pos: CudaSlice<i32>,
     tile_expert: CudaSlice<i32>,
-    /// int2 per tile: (first tile, tiles) of its expert.
+    /// int4 per tile: (first tile, tiles, expert, pairs) of its expert.
     tile_span: CudaSlice<i32>,
     /// Tiles in use, and the hot experts' tiles among them (which come first).
     num_tiles: CudaSlice<i32>,

@@ -146,11 +146,11 @@ fn alignment_cases(k: usize, cluster: u32) {
             assert_eq!(&tile_e[..want_tiles], &want_e[..], "{name} m={m}");
             let hot_tiles: usize = (0..e).filter(|&x| hot(x)).map(|x| tiles_of(count[x])).sum();
             assert_eq!(a.hot_tiles as usize, hot_tiles, "{name} m={m}: hot tiles");
-            // Each tile's span: (first tile, tiles, expert, 0) of its expert, the GEMMs' work order.
+            // Each tile's span: (first tile, tiles, expert, pairs) of its expert, the GEMMs' work order.
             let mut want_span = Vec::new();
             for &x in &order {
                 let (first, t) = (want_span.len() as i32 / 4, tiles_of(count[x]) as i32);
-                (0..t).for_each(|_| want_span.extend([first, t, x as i32, 0]));
+                (0..t).for_each(|_| want_span.extend([first, t, x as i32, count[x] as i32]));
             }
             assert_eq!(&a.tile_span[..4 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
             let mut seen = vec![false; m * k];
