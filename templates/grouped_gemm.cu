@@ -200,6 +200,7 @@ struct Work {
     bool multicast;      // the cluster's blocks take two row tiles of one column block
 };
 static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
+static_assert(BM <= 255, "a tile's live rows in Work::rows");
 __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
     const int per_tile = nt / CLUSTER;
     const long long hot = (long long)counts.y * per_tile, all = (long long)counts.x * per_tile;
