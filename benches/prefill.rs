@@ -84,7 +84,8 @@ fn main() {
         vec![KernelFamily::GroupedGemm]
     };
     let routings: Vec<String> = list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into()]);
-    // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster]] sets to sweep
+    // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]
+    // sets to sweep
     // (default: the spec's).
     let tile_sets: Vec<String> = args
         .iter()
@@ -129,6 +130,10 @@ fn main() {
                 let mut cluster = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
                 if tiles.lag > 0 {
                     cluster += &format!("l{}", tiles.lag);
+                }
+                let ext = tiles.extended_rows(&spec);
+                if ext > 0 {
+                    cluster += &format!("t{ext}");
                 }
                 let tname = format!(
                     "{}x{}x{}s{}b{}{cluster}",

@@ -8,6 +8,8 @@
 //   tile_span[tile]             (first tile, tiles, expert, pairs) of that expert, for the GEMMs'
 //                               work order (one load resolves a work item)
 //   num_tiles[1]                the hot experts' tiles, which come first (Layout)
+//   tile_span1, num_tiles[2, 3] TAIL: the same for GEMM1's tiles, where an expert's last tile
+//                               holding no more than TAIL pairs joins the one before it (work_item)
 // Out-of-range ids are skipped and counted in *errors.
 constexpr int ALIGN_THREADS = 1024;
 static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
@@ -48,6 +50,9 @@ struct Layout {
     int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
     int first_ord[EXPERTS], expert_ord[EXPERTS];  // in layout order
     int total, hot_total;
+    // GEMM1's tiles (TAIL): the same order, an expert's short last tile not counted.
+    int first1_of[TAIL > 0 ? EXPERTS : 1], tiles1_of[TAIL > 0 ? EXPERTS : 1], first1_ord[TAIL > 0 ? EXPERTS : 1];
+    int total1, hot_total1;
 
     // Every thread of the block; thread e holds expert e's count.
     __device__ __forceinline__ void build(int count) {
@@ -71,7 +76,39 @@ struct Layout {
             total = all;
             hot_total = hot_all;
         }
+        if constexpr (TAIL > 0) {
+            const int tiles1 = tiles - (tiles >= 2 && count - (tiles - 1) * BM <= TAIL);
+            int all1, hot_all1;
+            const int before1 = block_exclusive_scan(tiles1, all1);
+            const int hot_before1 = block_exclusive_scan(hot ? tiles1 : 0, hot_all1);
+            if (tid < EXPERTS) {
+                const int first1 = hot ? hot_before1 : hot_all1 + (before1 - hot_before1);
+                first1_of[tid] = first1;
+                tiles1_of[tid] = tiles1;
+                first1_ord[hot ? hot_rank : hot_experts + (tid - hot_rank)] = first1;
+            }
+            if (tid == 0) {
+                total1 = all1;
+                hot_total1 = hot_all1;
+            }
+        } else if (tid == 0) {
+            total1 = all;
+            hot_total1 = hot_all;
+        }
         __syncthreads();
+    }
+
+    // The expert of tile j in layout order, given each expert's first tile in that order: the
+    // last with first <= j (one without tiles shares its first with the next, or is the last,
+    // with first = the total > j).
+    __device__ __forceinline__ int expert_at(const int* first, int j) const {
+        int lo = 0, hi = EXPERTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= j) lo = mid;
+            else hi = mid - 1;
+        }
+        return expert_ord[lo];
     }
 
     // The tile -> expert map and spans and the padding rows (-1) that close each expert's last
@@ -79,24 +116,23 @@ struct Layout {
     // tiles) from thread 0.
     __device__ __forceinline__ void write(int g, int threads, int* __restrict__ sorted_rows,
                                           int* __restrict__ tile_expert, int4* __restrict__ tile_span,
-                                          int* __restrict__ num_tiles) const {
+                                          int4* __restrict__ tile_span1, int* __restrict__ num_tiles) const {
         if (g == 0) {
             num_tiles[0] = total;
             num_tiles[1] = hot_total;
+            num_tiles[2] = total1;
+            num_tiles[3] = hot_total1;
         }
-        // Tile j belongs to the last expert in layout order with first_ord <= j (one without tiles
-        // shares its first_ord with the next, or is the last, with first_ord = total > j).
         for (int j = g; j < total; j += threads) {
-            int lo = 0, hi = EXPERTS - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (first_ord[mid] <= j) lo = mid;
-                else hi = mid - 1;
-            }
-            const int e = expert_ord[lo];
+            const int e = expert_at(first_ord, j);
             tile_expert[j] = e;
             tile_span[j] = make_int4(first_of[e], tiles_of[e], e, count_of[e]);
         }
+        if constexpr (TAIL > 0)
+            for (int j = g; j < total1; j += threads) {
+                const int e = expert_at(first1_ord, j);
+                tile_span1[j] = make_int4(first1_of[e], tiles1_of[e], e | (first_of[e] - first1_of[e]) << 16, count_of[e]);
+            }
         // Padding: the last tiles * BM - count rows of each expert, fewer than BM.
         for (int i = g; i < EXPERTS * BM; i += threads) {
             const int e = i / BM, r = i % BM;

@@ -13,14 +13,19 @@
 // without multicast: see work_item). A stage is refilled only when both blocks' consumers
 // released it (they arrive on both `empty` barriers), and rank 0 takes each work item from the
 // counter and hands it to both producers (item_full / item_free mbarriers).
+// Extended items (EXT rows, GEMM1's TAIL): an expert whose last tile would hold no more than EXT
+// pairs has them computed with its previous tile, whose stages then carry BM + EXT rows of A: the
+// weight k-tile, the item's cost, is loaded once for both. The extra rows ride the warpgroups'
+// own wgmma with the operands swapped (ext_mma): the weight rows are the M side (64 at a time)
+// and the EXT rows the N side, so they cost EXT / BN of the tile's MMAs rather than a tile.
 // Stages use the layout of gemm_tile.cuh: 128 bytes of K per row, 128-byte swizzle (what TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes, on 1024-byte aligned stages).
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // 128 x 56 + 256 x 224 <= 64 K registers
 static_assert(BM == 128 && GEMM_THREADS == 384, "a producer and two 64-row consumer warpgroups");
 
-template <int BN, bool PROMOTE = FP8>
+template <int BN, bool PROMOTE = FP8, int EXT = 0>
 struct WsShape {
-    static constexpr int A_BYTES = BM * BK_BYTES;
+    static constexpr int A_BYTES = (BM + EXT) * BK_BYTES;
     static constexpr int B_BYTES = BN * BK_BYTES;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int NF = BN / 8;  // n8 fragments of a consumer's m64nBN accumulator
@@ -33,6 +38,10 @@ struct WsShape {
     static constexpr int HALVES = (PROMOTE && BN > 128) ? 2 : 1;
     static constexpr int NFH = NF / HALVES;  // fragments per half
     static constexpr int A_ROWS = BM / 16;  // rows each producer thread gathers per stage (8 chunks of 16 B per row)
+    static constexpr int EXT_ROWS = EXT / 16;  // of the extended rows each producer thread gathers
+    static constexpr int EXT_ACC = EXT;  // ext_mma: two m64nEXT accumulators per consumer thread
+    static_assert(EXT % 16 == 0 && (EXT == 0 || (BN == 256 && !PROMOTE)), "extended rows: 256 columns, unscaled along K");
+    static_assert(A_BYTES % 1024 == 0, "the B stage 1024-aligned (its TMA swizzle)");
 };
 
 // A box of the 2-D tensor map at (k element, row) into shared memory, completing on `bar`.
@@ -118,6 +127,28 @@ __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
 template <int BN>
 __device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
     return ws_cols_addr(bars) + 2 * BN * 4 + (threadIdx.x / 32 - 4) * 2048;
+}
+// Past the staging: an extended item's EXT rows x BN / 2 activations (act_t), between ext_act
+// and ext_store (extended items only).
+template <int BN>
+__device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
+    return ws_cols_addr(bars) + 2 * BN * 4 + 8 * 2048;
+}
+// An extended item's rows BM .. BM + EXT of stage (sa, sb) against consumer warpgroup wg's 64
+// of each half of the BN = 256 weight rows (the gate neurons 64 wg .. and their up rows), as
+// D^T = B . A^T: weight rows as wgmma's M (A operand), the extended rows as its N (B operand), both
+// K-major in the stage as they are. eacc: the gate's m64nEXT accumulator, then the up's: element
+// (nf, i) of each is neuron 64 wg + row (the accumulator's row, lane / 4 + 8 (i / 2) of the warp's
+// 16) and extended row 8 nf + 2 (lane % 4) + i % 2. Part of the k-tile's commit group.
+template <int EXT>
+__device__ __forceinline__ void ext_mma(unsigned sa, unsigned sb, int wg, float* eacc, bool fresh) {
+    constexpr int BN = 256;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            Wgmma<EXT>::mma(eacc + half * (EXT / 2), wgmma_desc(sb + (half * (BN / 2) + 64 * wg) * BK_BYTES + 32 * ks),
+                            wgmma_desc(sa + BM * BK_BYTES + 32 * ks), !(fresh && ks == 0));
 }
 __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };" ::"r"(addr), "r"(r[0]), "r"(r[1]),
@@ -221,6 +252,11 @@ __device__ __forceinline__ void cols_ready() {
 //                              it arrives under the MMAs; returns it as an object for epilogue
 //   epilogue(item, acc, row0, ep, cols, buf)  consumer: the accumulator, rows row0 + lane / 4
 //                              (+ 8) of the tile; buf: the warp's staging (store_warp_rows)
+//   ext_act(item, eacc, cols, buf)  EXT, an extended item (item.ext), before epilogue: the rows
+//                              past BM from ext_mma's accumulators, activated, into buf
+//                              (ws_ext_addr); nothing of them stays in registers over the
+//                              epilogue, which otherwise spilled
+//   ext_store(item, buf)       after epilogue: stores them from buf
 // EARLY_B: the kernel is a programmatic dependent (griddepcontrol) of one that writes A, not B or
 // the layout: the producer puts the first item's weight k-tiles in flight before it waits for
 // that kernel, so they load under its tail; otherwise every thread waits before ws_gemm.
@@ -233,12 +269,19 @@ __device__ __forceinline__ void cols_ready() {
 // item_full[2] and item_free[2] mbarriers, the item of each stage (16 bytes), the
 // producer's two item slots, each consumer warpgroup's BN per-column floats (`cols`) and each
 // consumer warp's 2 KiB of output staging.
-template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, class Item, class ARow, class BLoad, class KScale,
-          class Promote, class Prepare, class Epilogue>
+// ext_act / ext_store of a GEMM without extended items.
+struct NoExt {
+    template <class It>
+    __device__ void operator()(const It&, const float*, const float*, unsigned) const {}
+    template <class It>
+    __device__ void operator()(const It&, unsigned) const {}
+};
+template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, int EXT, class Item, class ARow, class BLoad,
+          class KScale, class Promote, class Prepare, class Epilogue, class ExtAct, class ExtStore>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
-                                        Prepare prepare, Epilogue epilogue) {
-    using S = WsShape<BN, PROMOTE>;
+                                        Prepare prepare, Epilogue epilogue, ExtAct ext_act, ExtStore ext_store) {
+    using S = WsShape<BN, PROMOTE, EXT>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
     auto full = [&](int st) { return bars + 8 * st; };
@@ -323,6 +366,10 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             const char* rows[S::A_ROWS];
 #pragma unroll
             for (int j = 0; j < S::A_ROWS; ++j) rows[j] = a_row(it, t / 8 + 16 * j);
+            const bool ext = EXT > 0 && it.ext;
+            const char* erows[S::EXT_ROWS > 0 ? S::EXT_ROWS : 1];
+#pragma unroll
+            for (int j = 0; j < S::EXT_ROWS; ++j) erows[j] = ext ? a_row(it, BM + t / 8 + 16 * j) : nullptr;
             // EARLY_B: the first item's first k-tiles of B go out before the wait for A's writer.
             constexpr int EARLY = EARLY_B ? (STAGES < KT ? STAGES : KT) : 0;
             if (EARLY > 0 && i == 0) {
@@ -354,6 +401,13 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     if (KEEP_A) cp_async16_keep(dst, src, rows[j] != nullptr, keep);
                     else cp_async16(dst, src, rows[j] != nullptr);
                 }
+                // Without the L2 hint: with it, ptxas 13.0 gave this copy an odd uniform register
+                // pair for the policy (illegal instruction on the H100).
+                if (ext)
+#pragma unroll
+                    for (int j = 0; j < S::EXT_ROWS; ++j)
+                        cp_async16(sa + swz(BM + t / 8 + 16 * j, c), (erows[j] ? erows[j] + kt * BK_BYTES : a_any) + c * 16,
+                                   erows[j] != nullptr);
                 cp_async_arrive_noinc(full(st));
             }
         }
@@ -418,49 +472,62 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 continue;
             }
             const auto ep = prepare(it, row0, cols());
+            const bool ext = EXT > 0 && it.ext;  // (then both warpgroups' rows are live)
+            float eacc[S::EXT_ACC > 0 ? S::EXT_ACC : 1];
             float acc[S::ACC];
             float part[PROMOTE ? S::NFH * 4 : 1];
             if (PROMOTE)
 #pragma unroll
                 for (int j = 0; j < S::ACC; ++j) acc[j] = 0.f;
+            // The k-loop in two copies, with and without the extended rows' MMAs: a branch between
+            // a k-tile's wgmma and its commit makes ptxas close the group early, and each k-tile
+            // then waits for its own MMAs rather than the previous one's.
+            auto kloop = [&](const bool with_ext) {
 #pragma unroll 1
-            for (int kt = 0; kt < KT; ++kt, ++s) {
-                lag_arrive(s);
-                const int st = s % STAGES;
-                const auto sc = kscale(it, kt, row0);  // (a no-op without PROMOTE)
-                if (kt > 0) mbar_wait(full(st), (s / STAGES) & 1);
-                fence_async_smem();  // A arrived through the generic proxy (cp.async); wgmma reads via the async one
-                const unsigned sa = base + st * S::STAGE_BYTES, sb = sa + S::A_BYTES;
-                if constexpr (PROMOTE) {
-                    // Each half afresh, then scaled into acc while the other warpgroup's MMAs run.
+                for (int kt = 0; kt < KT; ++kt, ++s) {
+                    lag_arrive(s);
+                    const int st = s % STAGES;
+                    const auto sc = kscale(it, kt, row0);  // (a no-op without PROMOTE)
+                    if (kt > 0) mbar_wait(full(st), (s / STAGES) & 1);
+                    fence_async_smem();  // A arrived through the generic proxy (cp.async); wgmma reads via the async one
+                    const unsigned sa = base + st * S::STAGE_BYTES, sb = sa + S::A_BYTES;
+                    if constexpr (PROMOTE) {
+                        // Each half afresh, then scaled into acc while the other warpgroup's MMAs run.
 #pragma unroll
-                    for (int half = 0; half < S::HALVES; ++half) {
+                        for (int half = 0; half < S::HALVES; ++half) {
+                            wgmma_fence();
+#pragma unroll
+                            for (int ks = 0; ks < 4; ++ks)
+                                Wgmma<BN / S::HALVES>::mma(part, wgmma_desc(sa + a_off + 32 * ks),
+                                                           wgmma_desc(sb + half * (BN / S::HALVES) * BK_BYTES + 32 * ks), ks > 0);
+                            wgmma_commit();
+                            wgmma_wait0();
+                            if (half == S::HALVES - 1) release(st);
+                            promote(sc, half, part, acc);
+                        }
+                    } else {
                         wgmma_fence();
 #pragma unroll
-                        for (int ks = 0; ks < 4; ++ks)
-                            Wgmma<BN / S::HALVES>::mma(part, wgmma_desc(sa + a_off + 32 * ks),
-                                                       wgmma_desc(sb + half * (BN / S::HALVES) * BK_BYTES + 32 * ks), ks > 0);
+                        for (int ks = 0; ks < 4; ++ks)  // the item's first MMA starts acc afresh
+                            Wgmma<BN>::mma(acc, wgmma_desc(sa + a_off + 32 * ks), wgmma_desc(sb + 32 * ks), ks > 0 || kt > 0);
+                        if constexpr (EXT > 0)
+                            if (with_ext) ext_mma<EXT>(sa, sb, wg, eacc, kt == 0);
                         wgmma_commit();
-                        wgmma_wait0();
-                        if (half == S::HALVES - 1) release(st);
-                        promote(sc, half, part, acc);
+                        // Keep this k-tile's MMAs in flight; the previous one's are done with its stage.
+                        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                        if (kt > 0) release((s - 1) % STAGES);
                     }
-                } else {
-                    wgmma_fence();
-#pragma unroll
-                    for (int ks = 0; ks < 4; ++ks)  // the item's first MMA starts acc afresh
-                        Wgmma<BN>::mma(acc, wgmma_desc(sa + a_off + 32 * ks), wgmma_desc(sb + 32 * ks), ks > 0 || kt > 0);
-                    wgmma_commit();
-                    // Keep this k-tile's MMAs in flight; the previous one's are done with its stage.
-                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                    if (kt > 0) release((s - 1) % STAGES);
                 }
-            }
+            };
+            if (ext) kloop(true);  // (the call sites' constants fold into two copies)
+            else kloop(false);
             if (!PROMOTE) {
                 wgmma_wait0();
                 release((s - 1) % STAGES);
             }
+            if (ext) ext_act(it, static_cast<const float*>(eacc), cols(), ws_ext_addr<BN>(bars));
             epilogue(it, acc, row0, ep, cols(), ws_out_addr<BN>(bars));
+            if (ext) ext_store(it, ws_ext_addr<BN>(bars));
         }
     }
     if (CLUSTER > 1) cluster_sync();

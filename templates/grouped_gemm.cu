@@ -44,6 +44,10 @@ constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles sha
 constexpr int WG_LAG = {{ lag }};  // k-tiles consumer warpgroup 1 trails warpgroup 0 by (gemm_ws.cuh)
 constexpr int GROUP_TILES = {{ group_tiles }};  // tiles of an expert side by side (work_item)
 constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or more lead the layout (align.cuh)
+// GEMM1 computes an expert's last tile with the one before it where it holds no more than TAIL
+// pairs (extended items, gemm_ws.cuh): that tile would cost a whole weight column for them.
+constexpr int TAIL = {{ tail }};
+static_assert(TAIL == 0 || (MOE_WS && CLUSTER == 1), "extended items on the warp-specialised pipeline, no clusters");
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
@@ -192,12 +196,15 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
 // against a whole weight column: DRAM-bound) run beside hot ones (tensor-bound) rather than all
 // together. tile_span[tile] = (first tile, tiles, expert, pairs) of its expert; counts = num_tiles =
 // (tiles, hot tiles), loaded once per kernel: an item resolves with one dependent load, which
-// also gives the rows of its tile that hold pairs (the rest close the expert's last tile).
+// also gives the rows of its tile that hold pairs (the rest close the expert's last tile). With
+// TAIL, GEMM1 numbers its own tiles (tile_span1, num_tiles[2, 3]: an extended tile counts once)
+// and the spans' expert carries the layout's tile minus GEMM1's in its high 16 bits.
 struct Work {
-    int tile;
+    int tile;  // in the layout (sorted_rows)
     short nblk, e;
     unsigned char rows;  // rows 0 .. rows - 1 of the tile hold pairs
     bool multicast;      // the cluster's blocks take two row tiles of one column block
+    bool ext;            // extended (GEMM1's TAIL): also the next tile's rows, its expert's last
 };
 static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
 static_assert(BM <= 255, "a tile's live rows in Work::rows");
@@ -216,8 +223,10 @@ __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict_
     const int r = l - g * GROUP_TILES * per_tile;
     const int t0 = sp.x + g * GROUP_TILES;
     auto at = [&](int tile, int nblk, bool multicast) {
-        const int rows = max(0, min(BM, sp.w - (tile - sp.x) * BM));
-        return Work{tile, (short)nblk, (short)sp.z, (unsigned char)rows, multicast};
+        const int rest = sp.w - (tile - sp.x) * BM;  // pairs from this tile on
+        const bool ext = TAIL > 0 && tile == sp.x + sp.y - 1 && rest > BM;
+        return Work{tile + (sp.z >> 16), (short)nblk, (short)(sp.z & 0xffff), (unsigned char)max(0, min(BM, rest)),
+                    multicast, ext};
     };
     if (CLUSTER == 1) return at(t0 + r % gs, r / gs, false);
     // Per pair of column blocks r / gs: the gs / 2 tile pairs of the first, then of the second,
@@ -327,18 +336,19 @@ __device__ __forceinline__ void promote_part(const KScales& k, int p, const floa
 
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. B stages hold
 // BN1 / 2 gate rows, then the same neurons' up rows (two TMA boxes), so a consumer thread holds
-// neuron n's gate in fragment q and its up in fragment q + NF / 2.
+// neuron n's gate in fragment q and its up in fragment q + NF / 2. With TAIL, tile_span is
+// tile_span1 (GEMM1's own tiles) and num_tiles[2, 3] count them.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
           const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
           const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
           float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
     constexpr bool PROMOTE = FP8 && !X_PER_ROW;
-    using S = WsShape<BN1, PROMOTE>;
+    using S = WsShape<BN1, PROMOTE, TAIL>;
     const int lane = threadIdx.x % 32;
     pdl_wait();  // moe_prepare's layout, x's e4m3 copy
     pdl_launch_dependents();
-    const int2 counts = tile_counts(num_tiles);
+    const int2 counts = tile_counts(num_tiles + (TAIL > 0 ? 2 : 0));
     auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, counts, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
         const int p = sorted_rows[it.tile * BM + r];
@@ -447,8 +457,66 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 });
         }
     };
-    ws_gemm<BN1, KT1, PROMOTE, true, false>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row, (const char*)a,
-                                            b_load, kscale, promote, prepare, epilogue);
+    // An extended item's rows past BM (the next tile's): ext_act takes the thread's part of
+    // ext_mma's transposed accumulators (neurons nl and nl + 8 of the tile's BN1 / 2, gate and up
+    // alike, in TAIL / 4 rows) through SwiGLU into buf as [row][BN1 / 2] act_t; after the main
+    // epilogue, ext_store writes them from there 16 bytes a thread (fp8: a row's amax over half a
+    // warp, as in moe_quant_mid).
+    static_assert(TAIL == 0 || TAIL * BN1 / 2 == 256 * 8, "ext_store: 8 activations per consumer thread");
+    auto ext_act = [&](const Work& it, const float* eacc, const float* cols, unsigned buf) {
+        constexpr int EK = TAIL > 0 ? TAIL / 4 : 1;  // the thread's rows
+        const int cw = threadIdx.x / 32 - 4;
+        const int nl = 64 * (cw / 4) + 16 * (cw % 4) + lane / 4;
+        const long row0 = (long)(it.tile + 1) * BM;
+        float xs[EK];
+#pragma unroll
+        for (int k = 0; k < EK; ++k) xs[k] = X_PER_ROW ? a_scales[row0 + 8 * (k / 2) + 2 * (lane % 4) + k % 2] : 1.f;
+        float2 sg = make_float2(1.f, 1.f), su = sg;
+        if constexpr (WSCALE == 1) {
+            cols_ready();
+            sg = make_float2(cols[nl], cols[nl + 8]);
+            su = make_float2(cols[BN1 / 2 + nl], cols[BN1 / 2 + nl + 8]);
+        }
+#pragma unroll
+        for (int k = 0; k < EK; ++k) {
+            const int r = 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int i = 2 * j + k % 2, nf = k / 2;  // the accumulator element of (row k, neuron j)
+                const float g = eacc[nf * 4 + i] * (j ? sg.y : sg.x) * xs[k];
+                const float u = eacc[TAIL / 2 + nf * 4 + i] * (j ? su.y : su.x) * xs[k];
+                const act_t v = (act_t)(moe_act(g) * u);
+                asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * (BN1 / 2) + nl + 8 * j) * 2),
+                             "h"(*reinterpret_cast<const unsigned short*>(&v))
+                             : "memory");
+            }
+        }
+    };
+    auto ext_store = [&](const Work& it, unsigned buf) {
+        const int t = threadIdx.x - 128, r = t / 16, c = t % 16;  // row r, neurons 8 c ..
+        const long pos = (long)(it.tile + 1) * BM + r;
+        const int p = sorted_rows[pos];
+        asm volatile("bar.sync 5, 256;" ::: "memory");  // every consumer warp's ext_act
+        const uint4 raw = lds128(buf + r * (BN1 / 2) * 2 + c * 16);
+        asm volatile("bar.sync 5, 256;" ::: "memory");  // read before the next extended item writes
+        if constexpr (MID_FP8) {
+            float v[8];
+            const act_t* e = reinterpret_cast<const act_t*>(&raw);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
+            const float scale = half_warp_scale(v, true);
+            if (p >= 0) {
+                *reinterpret_cast<uint2*>(reinterpret_cast<unsigned char*>(mid) + pos * INTER + it.nblk * 128 + 8 * c) =
+                    pack_e4m3x8(v, 1.f / scale);
+                if (c == 0) mid_scales[pos * (INTER / 128) + it.nblk] = scale;
+            }
+        } else if (p >= 0) {
+            *reinterpret_cast<uint4*>(mid + pos * INTER + it.nblk * (BN1 / 2) + 8 * c) = raw;
+        }
+    };
+    ws_gemm<BN1, KT1, PROMOTE, true, false, TAIL>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row,
+                                                  (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
+                                                  ext_store);
 }
 
 template <bool ATOMIC>
@@ -548,8 +616,9 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
-    ws_gemm<BN2, KT2, FP8, false, true>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
-                                        b_load, kscale, promote, prepare, epilogue);
+    ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
+                                           b_load, kscale, promote, prepare, epilogue,
+                                           NoExt{}, NoExt{});
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile

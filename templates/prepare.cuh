@@ -39,7 +39,7 @@ moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, in
             float* __restrict__ xs_token, float* __restrict__ xs_row, int* __restrict__ counts,
             int* __restrict__ errors, unsigned* __restrict__ sync, int* __restrict__ sorted_rows,
             int* __restrict__ pair_pos, int* __restrict__ tile_expert, int4* __restrict__ tile_span,
-            int* __restrict__ num_tiles) {
+            int4* __restrict__ tile_span1, int* __restrict__ num_tiles) {
     __shared__ int block_pairs[EXPERTS];  // this block's pairs per expert, then its offset in each
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -74,7 +74,7 @@ moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, in
     // 2. The layout, this block's share of its map and padding, and each pair's row.
     layout.build(threadIdx.x < EXPERTS ? __ldcg(counts + threadIdx.x) : 0);
     layout.write(blockIdx.x * ALIGN_THREADS + threadIdx.x, gridDim.x * ALIGN_THREADS, sorted_rows, tile_expert,
-                 tile_span, num_tiles);
+                 tile_span, tile_span1, num_tiles);
     for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
         if (lane >= TOP_K) continue;
         const int p = t * TOP_K + lane;

@@ -55,6 +55,14 @@ pub struct GemmTiles {
     /// and stays behind (each stage waits for both), so that each one's epilogue falls under the
     /// other's MMAs rather than both idling the tensor cores at once. At most `stages - 2`.
     pub lag: u32,
+    /// GEMM1 only, 0 or 16: an expert whose last tile would hold no more than `tail` pairs has
+    /// them computed with its previous tile (an extended item: its stages carry `bm + tail` rows
+    /// of A, which ride the tile's wgmma with the operands swapped: the weight rows as M, the
+    /// extra rows as N), so the weight column is read once for both rather than once more for a
+    /// handful of rows. Applies where the pipeline allows it (`extended_rows`):
+    /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
+    /// (bf16 / fp16, per-channel fp8; on by default for the 16-bit formats).
+    pub tail: u32,
 }
 
 fn is_fp8(f: WeightFormat) -> bool {
@@ -108,6 +116,11 @@ impl GemmTiles {
         let long_items = h * elem / 128 >= 32 && i * elem / 128 >= 32;
         let even = (i / (bn1 / 2)) % 2 == 0 && (h / bn2) % 2 == 0;
         let cluster = if long_items && even { 2 } else { 1 };
+        // Extended items by default where they measured faster: bf16 / fp16 (H100, Qwen3-30B-A3B
+        // at M = 4096, GEMM1 379-394 against 396-401 us uniform, even under balanced and skewed
+        // routing). fp8 GEMM1's e4m3 epilogue sits at the register limit and spills with them
+        // (balanced 200-209 against 190-195 us), so there they stay an option.
+        let tail = if mma == Mma::Wgmma && !fp8 { 16 } else { 0 };
         if mma == Mma::Wgmma && !fp8 {
             // bf16 / fp16 on wgmma: 128 x 256 tiles in both GEMMs (4 stages of 48 KiB), which on
             // the block-barrier pipeline already beat 128 x 128 (H200, M = 4096: Qwen3-30B-A3B 358
@@ -122,6 +135,7 @@ impl GemmTiles {
                 warp_specialized: true,
                 cluster,
                 lag: 0,
+                tail,
             };
         }
         if mma == Mma::Wgmma {
@@ -138,6 +152,7 @@ impl GemmTiles {
                 warp_specialized: true,
                 cluster,
                 lag: 0,
+                tail,
             };
         }
         GemmTiles {
@@ -152,37 +167,62 @@ impl GemmTiles {
             warp_specialized: false,
             cluster: 1,
             lag: 0,
+            tail: 0,
         }
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag]]]` (e.g. `128,128,4,1`,
-    /// `256,256,4,1,0` or `256,256,4,1,1,1,1`) over these defaults; `ws` is 1 for the
-    /// warp-specialised pipeline, 0 for the block-barrier one (which implies cluster 1, lag 0).
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `128,128,4,1`,
+    /// `256,256,4,1,0` or `256,256,4,1,1,1,1,16`) over these defaults; `ws` is 1 for the
+    /// warp-specialised pipeline, 0 for the block-barrier one (which implies cluster 1, lag 0,
+    /// tail 0).
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
         let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
-        let (bn1, bn2, stages, blocks_per_sm, ws, cluster, lag) = match v[..] {
-            [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster, self.lag),
-            [a, b, c, d, 0] => (a, b, c, d, false, 1, 0),
-            [a, b, c, d, 1] => (a, b, c, d, true, self.cluster.max(1), self.lag),
-            [a, b, c, d, w @ (0 | 1), cl] => (a, b, c, d, w == 1, cl, self.lag),
-            [a, b, c, d, w @ (0 | 1), cl, l] => (a, b, c, d, w == 1, cl, l),
+        let (bn1, bn2, stages, blocks_per_sm, ws, cluster, lag, tail) = match v[..] {
+            [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster, self.lag, self.tail),
+            [a, b, c, d, 0] => (a, b, c, d, false, 1, 0, 0),
+            [a, b, c, d, 1] => (a, b, c, d, true, self.cluster.max(1), self.lag, self.tail),
+            [a, b, c, d, w @ (0 | 1), cl] => (a, b, c, d, w == 1, cl, self.lag, self.tail),
+            [a, b, c, d, w @ (0 | 1), cl, l] => (a, b, c, d, w == 1, cl, l, self.tail),
+            [a, b, c, d, w @ (0 | 1), cl, l, t] => (a, b, c, d, w == 1, cl, l, t),
             _ => return None,
         };
-        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, ..self })
+        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, tail, ..self })
     }
 
-    /// Dynamic shared memory of a GEMM kernel with `bn` columns: the stages, 1 KiB of alignment
-    /// slack and (warp-specialised) a full and an empty mbarrier and a 16-byte item slot per stage, the
-    /// producer's two item slots and their two pairs of mbarriers (the cluster's hand-over), and
-    /// from the next 16 bytes each consumer warpgroup's `bn` per-column f32 scales and each
-    /// consumer warp's 2 KiB of output staging.
-    pub fn smem_bytes(&self, bn: u32) -> u32 {
+    /// The rows GEMM1's extended items add (`tail` where the pipeline allows it, else 0).
+    pub fn extended_rows(&self, spec: &MoeSpec) -> u32 {
+        let unscaled = !is_fp8(spec.weight_format()) || x_per_token(spec.weight_format());
+        let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled;
+        if fits {
+            self.tail
+        } else {
+            0
+        }
+    }
+
+    /// Dynamic shared memory of GEMM1 (with its extended rows).
+    pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
+        self.smem_bytes(self.bn1, self.extended_rows(spec))
+    }
+
+    /// Dynamic shared memory of GEMM2.
+    pub fn gemm2_smem_bytes(&self) -> u32 {
+        self.smem_bytes(self.bn2, 0)
+    }
+
+    /// Dynamic shared memory of a GEMM kernel with `bn` columns and `ext` extended rows: the
+    /// stages, 1 KiB of alignment slack and (warp-specialised) a full and an empty mbarrier and a
+    /// 16-byte item slot per stage, the producer's two item slots and their two pairs of
+    /// mbarriers (the cluster's hand-over), and from the next 16 bytes each consumer warpgroup's
+    /// `bn` per-column f32 scales, each consumer warp's 2 KiB of output staging and (extended
+    /// items) `ext` rows of `bn / 2` 16-bit activations between the two halves of their epilogue.
+    fn smem_bytes(&self, bn: u32, ext: u32) -> u32 {
         let ws = if self.warp_specialized {
-            (32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048
+            (32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048 + ext * bn / 2 * 2
         } else {
             0
         };
-        self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws
+        self.stages * (self.bm + ext + bn) * BK_BYTES + 1024 + ws
     }
 
     /// Whether GEMM1 quantizes the intermediate to e4m3 itself (fp8, warp-specialised, 128
@@ -266,6 +306,7 @@ struct GroupedGemmCu {
     blocks_per_sm: u32,
     cluster: u32,
     lag: u32,
+    tail: u32,
     mid_fp8: bool,
     x_per_row: bool,
     elem_bytes: u32,
@@ -305,6 +346,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     let fp8 = is_fp8(spec.weight_format());
     // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
     let unscaled = !fp8 || (x_per_token(spec.weight_format()) && tiles.warp_specialized);
+    if !matches!(tiles.tail, 0 | 16) {
+        return Err(unsupported(format!("extended items of {} rows (0 or 16)", tiles.tail)));
+    }
     let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
     if tiles.bm != 128
         || tiles.stages < 2 + inflight
@@ -342,6 +386,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         .into_iter()
         .flat_map(|n| [n, if fp8 && tiles.warp_specialized && n > 128 { n / 2 } else { n }])
         .collect();
+    // Extended items multiply their rows as wgmma's N side (gemm_ws.cuh: ext_mma).
+    ns.push(tiles.extended_rows(spec));
+    ns.retain(|&n| n > 0);
     ns.sort_unstable();
     ns.dedup();
     let router = match spec.router() {
@@ -364,8 +411,10 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     let ws = if t.warp_specialized { "_ws" } else { "" };
     let cl = if t.cluster > 1 { format!("c{}", t.cluster) } else { String::new() };
     let lag = if t.lag > 0 { format!("l{}", t.lag) } else { String::new() };
+    let ext = t.extended_rows(spec);
+    let tail = if ext > 0 { format!("t{ext}") } else { String::new() };
     let name = format!(
-        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}{lag}",
+        "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}{lag}{tail}",
         spec.id(),
         t.bm,
         t.bn1,
@@ -392,6 +441,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         blocks_per_sm: tiles.blocks_per_sm,
         cluster: tiles.cluster,
         lag: tiles.lag,
+        tail: ext,
         mid_fp8: tiles.quantizes_mid(spec),
         x_per_row: x_per_token(f),
         elem_bytes,
@@ -515,7 +565,8 @@ mod tests {
         for (arch, max) in [(Arch::Sm90a, 232_448), (Arch::Sm100a, 232_448), (Arch::Sm120a, 101_376)] {
             for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
                 let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, f), arch);
-                assert!(t.smem_bytes(t.bn1.max(t.bn2)) <= max, "{arch} {f}: {t:?}");
+                let s = spec(2048, 768, 128, 8, f);
+                assert!(t.gemm1_smem_bytes(&s).max(t.gemm2_smem_bytes()) <= max, "{arch} {f}: {t:?}");
             }
         }
     }
@@ -541,7 +592,7 @@ mod tests {
         assert!(ws.warp_specialized && ws.gemm_threads() == 384);
         let k = render_grouped(&s, Arch::Sm90a, ws).unwrap();
         assert!(k.source.contains("#define MOE_WS 1") && k.source.contains("cp.async.bulk.tensor.2d"));
-        assert!(k.name.ends_with("_ws"));
+        assert!(k.name.ends_with("_wst16"), "{}", k.name);
         let plain = ws.parse("256,256,4,1,0").unwrap();
         assert!(!plain.warp_specialized && plain.gemm_threads() == 256);
         let k = render_grouped(&s, Arch::Sm90a, plain).unwrap();
@@ -555,7 +606,12 @@ mod tests {
         let two_blocks = GemmTiles { blocks_per_sm: 2, ..ws };
         assert!(render_grouped(&s, Arch::Sm90a, two_blocks).is_err());
         // The barriers and item slots sit past the stages.
-        assert_eq!(ws.smem_bytes(256), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048);
+        assert_eq!(ws.gemm2_smem_bytes(), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048);
+        // GEMM1's stages also carry the extended rows, and the tail epilogue its exchange.
+        assert_eq!(
+            ws.gemm1_smem_bytes(&s),
+            4 * (128 + 16 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048 + 16 * 128 * 2
+        );
     }
 
     #[test]
@@ -606,6 +662,47 @@ mod tests {
             assert!(matches!(render_grouped(&s, Arch::Sm90a, bad), Err(CodegenError::Unsupported { .. })), "{bad:?}");
         }
         assert_eq!(ws.parse("256,256,4,1,0").map(|t| t.lag), Some(0));
+    }
+
+    #[test]
+    fn short_last_tiles_extend_gemm1_items_where_the_scales_hold_along_k() {
+        for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+            let s = spec(2048, 768, 128, 8, f);
+            let default = GemmTiles::for_spec(&s, Arch::Sm90a);
+            // On by default for 16-bit weights; per-channel fp8 takes them as an option.
+            assert_eq!(default.tail, if f == WeightFormat::Bf16 { 16 } else { 0 }, "{f}");
+            let t = GemmTiles { tail: 16, ..default };
+            let k = render_grouped(&s, Arch::Sm90a, t).unwrap();
+            assert!(k.source.contains("constexpr int TAIL = 16;") && k.name.ends_with("t16"), "{}", k.name);
+            let off = render_grouped(&s, Arch::Sm90a, GemmTiles { tail: 0, ..t }).unwrap();
+            assert!(off.source.contains("constexpr int TAIL = 0;") && off.name != k.name, "part of the cache key");
+            assert_eq!(t.parse("256,256,4,1,1,1,0,0").map(|t| t.tail), Some(0));
+            assert_eq!(GemmTiles { tail: 0, ..t }.parse("256,256,4,1,1,1,0,16"), Some(t));
+            assert_eq!(GemmTiles::for_spec(&s, Arch::Sm120a).extended_rows(&s), 0, "{f}: mma.sync tiles");
+        }
+        // Off where the scales change along K, in clusters (Mixtral-8x7B), on 128-wide tiles and
+        // on the block-barrier pipeline.
+        let b = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3B128);
+        let tb = GemmTiles::for_spec(&b, Arch::Sm90a);
+        let m = spec(4096, 14336, 8, 2, WeightFormat::Bf16);
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let t = GemmTiles::for_spec(&s, Arch::Sm90a);
+        for (spec, off) in [
+            (b, tb),
+            (m, GemmTiles::for_spec(&m, Arch::Sm90a)),
+            (s, GemmTiles { cluster: 2, ..t }),
+            (s, GemmTiles { bn1: 128, ..t }),
+            (s, GemmTiles { warp_specialized: false, ..t }),
+        ] {
+            assert_eq!(off.extended_rows(&spec), 0, "{off:?}");
+            let k = render_grouped(&spec, Arch::Sm90a, off).unwrap();
+            assert!(k.source.contains("constexpr int TAIL = 0;") && !k.name.contains("t16"), "{}", k.name);
+        }
+        assert_eq!(tb.gemm1_smem_bytes(&b), tb.smem_bytes(tb.bn1, 0));
+        for bad in [GemmTiles { tail: 8, ..t }, GemmTiles { tail: 32, ..t }] {
+            let err = render_grouped(&s, Arch::Sm90a, bad).unwrap_err();
+            assert!(err.to_string().contains("extended items"), "{bad:?}: {err}");
+        }
     }
 
     #[test]

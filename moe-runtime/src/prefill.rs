@@ -48,6 +48,14 @@ pub struct Alignment {
     pub num_tiles: i32,
     /// The hot experts' tiles, which lead the layout (`moe_codegen::grouped::HOT_TILES`).
     pub hot_tiles: i32,
+    /// With extended items (`GemmTiles::extended_rows`), GEMM1's own tiles (an expert's short
+    /// last tile joins the one before it): (first, tiles, expert, 2 (layout tile - GEMM1 tile) +
+    /// whether the expert's last is extended) of each, flattened; empty without them.
+    pub tile_span1: Vec<i32>,
+    /// GEMM1's tiles and the hot experts' among them (equal to `num_tiles`, `hot_tiles` without
+    /// extended items).
+    pub num_tiles1: i32,
+    pub hot_tiles1: i32,
 }
 
 struct Fns {
@@ -70,7 +78,10 @@ struct Scratch {
     tile_expert: CudaSlice<i32>,
     /// int4 per tile: (first tile, tiles, expert, pairs) of its expert.
     tile_span: CudaSlice<i32>,
-    /// Tiles in use, and the hot experts' tiles among them (which come first).
+    /// The same over GEMM1's tiles with extended items (one int4 without).
+    tile_span1: CudaSlice<i32>,
+    /// Tiles in use and the hot experts' tiles among them (which come first), then the same
+    /// counts of GEMM1's tiles.
     num_tiles: CudaSlice<i32>,
     /// Zeroed before each step by one memset: the warp-specialised GEMMs' work counters (GEMM1,
     /// GEMM2), moe_prepare's barrier counter, one unused, then moe_prepare's per-expert pair
@@ -101,6 +112,9 @@ pub(crate) struct GroupedPath {
     x_per_token: bool,
     /// GEMM1 writes the intermediate in e4m3 itself (`GemmTiles::quantizes_mid`).
     mid_in_gemm1: bool,
+    /// GEMM1's extended rows (`GemmTiles::extended_rows`) and its dynamic shared memory.
+    ext_rows: u32,
+    gemm1_smem: u32,
     /// moe_prepare's resident blocks on the device, and its dynamic shared memory.
     prepare_blocks: u32,
     prepare_smem: u32,
@@ -130,8 +144,7 @@ impl GroupedPath {
             combine_rows: f("moe_combine_rows")?,
             convert: f("moe_convert")?,
         };
-        let blocks = |g: &CudaFunction, bn: u32| -> Result<u32> {
-            let smem = tiles.smem_bytes(bn);
+        let blocks = |g: &CudaFunction, smem: u32| -> Result<u32> {
             if smem > device.max_smem_optin() {
                 return Err(RuntimeError::FamilyUnavailable {
                     family: moe_codegen::KernelFamily::GroupedGemm,
@@ -171,9 +184,10 @@ impl GroupedPath {
                 why: format!("moe_prepare with {prepare_smem} B of shared memory fits no SM"),
             });
         }
-        let gemm1_blocks = blocks(&fns.gemm1, tiles.bn1)?;
-        let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.bn2)?;
-        blocks(&fns.gemm2_rows, tiles.bn2)?;
+        let gemm1_smem = tiles.gemm1_smem_bytes(spec);
+        let gemm1_blocks = blocks(&fns.gemm1, gemm1_smem)?;
+        let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.gemm2_smem_bytes())?;
+        blocks(&fns.gemm2_rows, tiles.gemm2_smem_bytes())?;
         let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
         tracing::info!(module = %src.name, ?tiles, gemm1_blocks, gemm2_blocks, "grouped path loaded");
         Ok(GroupedPath {
@@ -182,6 +196,8 @@ impl GroupedPath {
             fp8,
             x_per_token: x_per_token(spec.weight_format()),
             mid_in_gemm1: tiles.quantizes_mid(spec),
+            ext_rows: tiles.extended_rows(spec),
+            gemm1_smem,
             prepare_blocks,
             prepare_smem,
             gemm1_blocks,
@@ -217,7 +233,8 @@ impl GroupedPath {
             pair_pos: stream.alloc_zeros(pairs)?,
             tile_expert: stream.alloc_zeros(max_tiles)?,
             tile_span: stream.alloc_zeros(4 * max_tiles)?,
-            num_tiles: stream.alloc_zeros(2)?,
+            tile_span1: stream.alloc_zeros(if self.ext_rows > 0 { 4 * max_tiles } else { 4 })?,
+            num_tiles: stream.alloc_zeros(4)?,
             work_counters: stream.alloc_zeros(COUNTS_AT + spec.experts() as usize)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
             xq: stream.alloc_zeros(q(tokens * h))?,
@@ -270,11 +287,12 @@ impl GroupedPath {
         let pairs = m * k;
         let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
         let mut m32 = m as i32;
-        let (mut sorted, mut pos, mut tile_e, mut span, mut ntiles) = (
+        let (mut sorted, mut pos, mut tile_e, mut span, mut span1, mut ntiles) = (
             ptr(&s.sorted_rows, stream),
             ptr(&s.pair_pos, stream),
             ptr(&s.tile_expert, stream),
             ptr(&s.tile_span, stream),
+            ptr(&s.tile_span1, stream),
             ptr(&s.num_tiles, stream),
         );
         // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
@@ -309,6 +327,7 @@ impl GroupedPath {
                 arg(&mut pos),
                 arg(&mut tile_e),
                 arg(&mut span),
+                arg(&mut span1),
                 arg(&mut ntiles),
             ];
             let dims = (prepare_grid, ALIGN_THREADS, self.prepare_smem);
@@ -346,13 +365,15 @@ impl GroupedPath {
         };
         let mut counter1 = ptr(&s.work_counters, stream);
         let mut counter2 = counter1 + 4;
+        // GEMM1 takes its own tiles' spans with extended items.
+        let mut gemm1_span = if self.ext_rows > 0 { span1 } else { span };
         unsafe {
             let mut args = [
                 arg(&mut a1),
                 arg(&mut a1s),
                 arg(&mut sorted),
                 arg(&mut tile_e),
-                arg(&mut span),
+                arg(&mut gemm1_span),
                 arg(&mut ntiles),
                 arg(&mut w13),
                 arg(&mut w13s),
@@ -361,7 +382,7 @@ impl GroupedPath {
                 arg(&mut counter1),
                 arg(&mut w13_map),
             ];
-            self.launch_gemm(&self.fns.gemm1, stream, grid1, self.tiles.bn1, &mut args)?;
+            self.launch_gemm(&self.fns.gemm1, stream, grid1, self.gemm1_smem, &mut args)?;
         }
         let (mut a2, mut a2s) = (mid, mid_scales);
         if self.fp8 && !self.mid_in_gemm1 {
@@ -391,7 +412,7 @@ impl GroupedPath {
                 arg(&mut counter2),
                 arg(&mut w2_map),
             ];
-            self.launch_gemm(gemm2, stream, grid2, self.tiles.bn2, &mut args)?;
+            self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(), &mut args)?;
         }
         let mut y = p.y;
         unsafe {
@@ -406,16 +427,17 @@ impl GroupedPath {
         Ok(())
     }
 
-    /// A GEMM kernel with `bn` columns per tile, in clusters if the tiles ask for them.
+    /// A GEMM kernel with `smem` bytes of dynamic shared memory, in clusters if the tiles ask
+    /// for them.
     unsafe fn launch_gemm(
         &self,
         f: &CudaFunction,
         stream: &CudaStream,
         grid: u32,
-        bn: u32,
+        smem: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let dims = (grid, self.tiles.gemm_threads(), self.tiles.smem_bytes(bn));
+        let dims = (grid, self.tiles.gemm_threads(), smem);
         launch_with(f, stream, dims, launch_attrs(true, self.tiles.cluster), args)
     }
 
@@ -431,13 +453,17 @@ impl GroupedPath {
     pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<Alignment> {
         let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().ok_or(RuntimeError::NoStepYet)?;
+        let n = stream.clone_dtoh(&s.num_tiles)?;
         Ok(Alignment {
             sorted_rows: stream.clone_dtoh(&s.sorted_rows)?,
             pair_pos: stream.clone_dtoh(&s.pair_pos)?,
             tile_expert: stream.clone_dtoh(&s.tile_expert)?,
             tile_span: stream.clone_dtoh(&s.tile_span)?,
-            num_tiles: stream.clone_dtoh(&s.num_tiles)?[0],
-            hot_tiles: stream.clone_dtoh(&s.num_tiles)?[1],
+            num_tiles: n[0],
+            hot_tiles: n[1],
+            tile_span1: if self.ext_rows > 0 { stream.clone_dtoh(&s.tile_span1)? } else { Vec::new() },
+            num_tiles1: n[2],
+            hot_tiles1: n[3],
         })
     }
 }

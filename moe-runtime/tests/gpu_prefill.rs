@@ -153,6 +153,27 @@ fn alignment_cases(k: usize, cluster: u32) {
                 (0..t).for_each(|_| want_span.extend([first, t, x as i32, count[x] as i32]));
             }
             assert_eq!(&a.tile_span[..4 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
+            // GEMM1's own tiles: with extended items an expert's last tile holding no more than
+            // `ext` pairs joins the one before it; the spans' expert carries (layout tile - GEMM1
+            // tile) in its high 16 bits.
+            let ext = layer.grouped_tiles().unwrap().extended_rows(layer.spec()) as usize;
+            let joins = |c: usize| ext > 0 && tiles_of(c) >= 2 && c - (tiles_of(c) - 1) * 128 <= ext;
+            let tiles1_of = |c: usize| tiles_of(c) - joins(c) as usize;
+            let want1: usize = count.iter().map(|&c| tiles1_of(c)).sum();
+            let hot1: usize = (0..e).filter(|&x| hot(x)).map(|x| tiles1_of(count[x])).sum();
+            assert_eq!((a.num_tiles1 as usize, a.hot_tiles1 as usize), (want1, hot1), "{name} m={m}: GEMM1 tiles");
+            let extended = count.iter().filter(|&&c| joins(c)).count();
+            if ext > 0 {
+                let (mut want_span1, mut first) = (Vec::new(), 0i32);
+                for &x in &order {
+                    let (f1, t1, t) =
+                        (want_span1.len() as i32 / 4, tiles1_of(count[x]) as i32, tiles_of(count[x]) as i32);
+                    let shifted = x as i32 | (first - f1) << 16;
+                    (0..t1).for_each(|_| want_span1.extend([f1, t1, shifted, count[x] as i32]));
+                    first += t;
+                }
+                assert_eq!(&a.tile_span1[..4 * want1], &want_span1[..], "{name} m={m}: GEMM1 spans");
+            }
             let mut seen = vec![false; m * k];
             for (row, &p) in sorted[..want_tiles * 128].iter().enumerate() {
                 if p < 0 {
@@ -169,7 +190,8 @@ fn alignment_cases(k: usize, cluster: u32) {
             assert_eq!(pads, want_tiles * 128 - m * k, "{name} m={m}: padding rows");
             assert!(down(&layer, &y).iter().all(|v| v.is_finite()), "{name} m={m}: unwritten outputs");
             println!(
-                "alignment k={k} cluster={cl} {name:<12} m={m:<5} {want_tiles} tiles, permutation and padding exact"
+                "alignment k={k} cluster={cl} {name:<12} m={m:<5} {want_tiles} tiles ({extended} extended), \
+                 permutation and padding exact"
             );
         }
     }
@@ -206,9 +228,16 @@ fn out_of_range_ids_are_counted_and_their_pairs_skipped() {
 
 /// Whole layer, grouped family, against the f64 reference on up to 96 sampled tokens.
 fn layer_case(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64) -> (f64, f64) {
+    let (x, ids, rw) = random_step(layer.spec(), m, skew, seed);
+    step_case(layer, w, (&x, &ids, &rw), seed)
+}
+
+/// One step `(x, ids, weights)` against the reference (`layer_case`); `seed` samples the tokens.
+fn step_case(layer: &mut MoeLayer, w: &HostWeights, step: (&[f32], &[i32], &[f32]), seed: u64) -> (f64, f64) {
     let spec = *layer.spec();
-    let (x, ids, rw) = random_step(&spec, m, skew, seed);
-    let (dx, did, dw) = (up(layer, &bf(&x)), up(layer, &ids), up(layer, &rw));
+    let (x, ids, rw) = step;
+    let m = ids.len() / spec.top_k() as usize;
+    let (dx, did, dw) = (up(layer, &bf(x)), up(layer, ids), up(layer, rw));
     let mut y = poisoned(layer, x.len());
     layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y).unwrap();
     let got = down(layer, &y);
@@ -219,7 +248,7 @@ fn layer_case(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: 
     let tokens: Vec<usize> = if m <= 96 { (0..m).collect() } else { (0..96).map(|_| rng.random_range(0..m)).collect() };
     let pick = |v: &[f32], w: usize| tokens.iter().flat_map(|&t| v[t * w..(t + 1) * w].to_vec()).collect::<Vec<_>>();
     let ids_s: Vec<i32> = tokens.iter().flat_map(|&t| ids[t * k..(t + 1) * k].to_vec()).collect();
-    let (xs, ws) = (pick(&x, h), pick(&rw, k));
+    let (xs, ws) = (pick(x, h), pick(rw, k));
     let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
     let want =
         if fp8 { moe_forward_fp8_acts(&spec, w, &xs, &ids_s, &ws) } else { moe_forward(&spec, w, &xs, &ids_s, &ws) };
@@ -347,6 +376,76 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
         let (rel, cos) = compare(&got[..64 * 2048], &want);
         println!("graph replay {replay}: rel_l2={rel:.3e} cos={cos:.8}");
         assert!(rel <= 5e-3 && cos >= 0.99999, "replay {replay}: rel {rel:.3e}");
+    }
+}
+
+/// GEMM1's extended items (an expert's last tile of 1-16 pairs computed with the tile before it),
+/// on routings whose expert counts sit on either side of that edge, against the reference and
+/// against the same kernels without them (Qwen3-30B-A3B's geometry, bf16 and per-channel fp8).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn extended_items_match_reference() {
+    use moe_codegen::GemmTiles;
+    let dev = gpu();
+    let (m, e, k) = (1024usize, 128usize, 8usize);
+    // Counts: past one, two or three tiles by 1..17 pairs, whole tiles, a lone tile of 1 and 16,
+    // an empty expert; the rest share what is left.
+    let edge = [129, 131, 136, 143, 144, 145, 257, 272, 273, 392, 16, 1, 0, 128, 256];
+    let rest = m * k - edge.iter().sum::<usize>();
+    let others = e - edge.len();
+    let counts: Vec<usize> =
+        edge.iter().copied().chain((0..others).map(|j| rest / others + (j < rest % others) as usize)).collect();
+    // Each expert's pairs go to consecutive tokens (no count exceeds m, so a token never takes
+    // an expert twice); the experts in a shuffled order.
+    let mut rng = SmallRng::seed_from_u64(fresh_seed());
+    let mut order: Vec<usize> = (0..e).collect();
+    for j in (1..e).rev() {
+        order.swap(j, rng.random_range(0..=j));
+    }
+    let labels: Vec<i32> = order.iter().flat_map(|&x| std::iter::repeat_n(x as i32, counts[x])).collect();
+    let mut ids = vec![0i32; m * k];
+    for (j, &x) in labels.iter().enumerate() {
+        ids[(j % m) * k + j / m] = x;
+    }
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+        let spec = MoeSpec::builder(2048, 768, e as u32, k as u32).weight_format(format).build().unwrap();
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let (x, _, rw) = random_step(&spec, m, 0.0, seed);
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(true);
+        let tiles = layer.grouped_tiles().unwrap();
+        // On by default for bf16; per-channel fp8 takes them as an option (GemmTiles::tail).
+        let default = if format == WeightFormat::Bf16 { 16 } else { 0 };
+        assert_eq!(tiles.extended_rows(&spec), default, "{format}: extended items by default on sm_90a");
+        let (tol, min_cos) = tolerance(format);
+        let mut outputs = Vec::new();
+        for tail in [16, 0] {
+            layer.set_grouped_tiles(&dev, GemmTiles { tail, ..tiles }).unwrap();
+            for deterministic in [false, true] {
+                layer.set_deterministic(deterministic);
+                let (rel, cos) = step_case(&mut layer, &w, (&x, &ids, &rw), seed);
+                let a = layer.last_alignment().unwrap();
+                println!(
+                    "{format} tail={tail} rows={deterministic}: {} tiles, {} for GEMM1: rel_l2={rel:.3e} cos={cos:.8}",
+                    a.num_tiles, a.num_tiles1
+                );
+                // 8 of the experts end in a tile of 1-16 pairs after a full one.
+                assert_eq!(a.num_tiles - a.num_tiles1, if tail > 0 { 8 } else { 0 }, "{format} tail={tail}");
+                assert!(rel <= tol && cos >= min_cos, "{format} tail={tail}: rel {rel:.3e} cos {cos:.8}");
+                if deterministic {
+                    let mut y = poisoned(&layer, m * 2048);
+                    let (dx, did, dw) = (up(&layer, &bf(&x)), up(&layer, &ids), up(&layer, &rw));
+                    layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y).unwrap();
+                    outputs.push(down(&layer, &y));
+                }
+            }
+        }
+        // The extended rows take the same tensor-core sums as a tile of their own (the operands
+        // swapped, the same 32-byte k-steps), so the deterministic outputs agree bit for bit.
+        let (rel, cos) = compare(&outputs[0], &outputs[1].iter().map(|&v| v as f64).collect::<Vec<_>>());
+        println!("{format}: with against without extended items: rel_l2={rel:.3e} cos={cos:.8}");
+        assert!(outputs[0] == outputs[1], "{format}: rel {rel:.3e} cos {cos:.8}");
     }
 }
 
