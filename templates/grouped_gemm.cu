@@ -459,9 +459,9 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
     };
     // An extended item's rows past BM (the next tile's): ext_act takes the thread's part of
     // ext_mma's transposed accumulators (neurons nl and nl + 8 of the tile's BN1 / 2, gate and up
-    // alike, in TAIL / 4 rows) through SwiGLU into buf as [row][BN1 / 2] act_t; after the main
-    // epilogue, ext_store writes them from there 16 bytes a thread (fp8: a row's amax over half a
-    // warp, as in moe_quant_mid).
+    // alike, in TAIL / 4 rows) through SwiGLU into buf as [row][BN1 / 2] act_t; then, before the
+    // main epilogue, ext_store writes them from there 16 bytes a thread (fp8: a row's amax over
+    // half a warp, as in moe_quant_mid).
     static_assert(TAIL == 0 || TAIL * BN1 / 2 == 256 * 8, "ext_store: 8 activations per consumer thread");
     auto ext_act = [&](const Work& it, const float* eacc, const float* cols, unsigned buf) {
         constexpr int EK = TAIL > 0 ? TAIL / 4 : 1;  // the thread's rows

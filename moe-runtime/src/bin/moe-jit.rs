@@ -2,7 +2,8 @@
 
 use clap::{Parser, Subcommand};
 use moe_codegen::{
-    dequant_variants, render, variants, Arch, CodegenError, KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES,
+    dequant_variants, render, render_grouped, variants, Arch, CodegenError, GemmTiles, KernelFamily, MoeSpec,
+    WeightFormat, REFERENCE_GEOMETRIES,
 };
 use moe_runtime::jit::resource_report;
 use moe_runtime::{compile, toolkit::toolkit, CompileOptions, DiskCache};
@@ -26,6 +27,9 @@ enum Cmd {
         /// Only these formats (default: all).
         #[arg(long, value_delimiter = ',')]
         format: Vec<WeightFormat>,
+        /// Only these kernel families (warp_decode, grouped_gemm; default: both).
+        #[arg(long, value_delimiter = ',')]
+        family: Vec<KernelFamily>,
         /// Every format the other geometries accept too, not only bf16, fp16, fp8_e4m3, mxfp4.
         #[arg(long)]
         all_geometries: bool,
@@ -38,6 +42,10 @@ enum Cmd {
         /// Write each CUBIN and its source into this folder (for nvdisasm / cuobjdump).
         #[arg(long)]
         dump: Option<std::path::PathBuf>,
+        /// Grouped-GEMM tiles over each spec's defaults, as the prefill bench's `--tiles`:
+        /// `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `256,256,4,1,1,1,0,16`).
+        #[arg(long)]
+        tiles: Option<String>,
     },
     /// The on-disk kernel cache ($MOEFORGE_CACHE_DIR, else the XDG cache dir).
     Cache {
@@ -59,9 +67,20 @@ enum CacheOp {
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     match Cli::parse().cmd {
-        Cmd::Check { arch, format, all_geometries, jobs, resources, dump } => {
+        Cmd::Check { arch, format, family, all_geometries, jobs, resources, dump, tiles } => {
             let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-            check(&arch, &check_list(&format, all_geometries), jobs.max(1), resources, dump.as_deref())
+            let shape_ok = |t: &str| {
+                let any = MoeSpec::builder(2048, 768, 128, 8).build().expect("a valid spec");
+                GemmTiles::for_spec(&any, Arch::Sm90a).parse(t).is_some()
+            };
+            if let Some(t) = tiles.as_deref().filter(|t| !shape_ok(t)) {
+                eprintln!("--tiles {t}: expected bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]");
+                return ExitCode::FAILURE;
+            }
+            let opts = CheckOptions { jobs: jobs.max(1), resources, dump: dump.as_deref(), tiles: tiles.as_deref() };
+            let mut list = check_list(&format, all_geometries);
+            list.retain(|(_, _, f)| family.is_empty() || family.contains(f));
+            check(&arch, &list, &opts)
         }
         Cmd::Cache { op } => cache(op),
     }
@@ -107,13 +126,34 @@ enum Outcome {
     Failed(String),
 }
 
-fn check(
-    archs: &[Arch],
-    list: &[(&'static str, MoeSpec, KernelFamily)],
+/// How `check` compiles: threads, what it reports and keeps, and grouped tiles to override.
+struct CheckOptions<'a> {
     jobs: usize,
     resources: bool,
-    dump: Option<&std::path::Path>,
-) -> ExitCode {
+    dump: Option<&'a std::path::Path>,
+    tiles: Option<&'a str>,
+}
+
+/// The kernel source `check` compiles: the family's default, or the grouped family with `tiles`
+/// parsed over the spec's default tiles.
+fn render_for_check(
+    spec: &MoeSpec,
+    family: KernelFamily,
+    arch: Arch,
+    tiles: Option<&str>,
+) -> Result<moe_codegen::KernelSource, CodegenError> {
+    match (family, tiles) {
+        (KernelFamily::GroupedGemm, Some(t)) => {
+            // (main checked that `t` parses; its shape, not the defaults, decides that)
+            let parsed = GemmTiles::for_spec(spec, arch).parse(t).expect("checked in main");
+            render_grouped(spec, arch, parsed)
+        }
+        _ => render(spec, family, arch),
+    }
+}
+
+fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &CheckOptions) -> ExitCode {
+    let CheckOptions { jobs, resources, dump, tiles } = *opts;
     let tk = match toolkit() {
         Ok(t) => t,
         Err(e) => {
@@ -132,7 +172,7 @@ fn check(
     let t_all = std::time::Instant::now();
     let one = |&(geo, spec, family, arch): &(&str, MoeSpec, KernelFamily, Arch)| -> Outcome {
         let t0 = std::time::Instant::now();
-        let src = match render(&spec, family, arch) {
+        let src = match render_for_check(&spec, family, arch, tiles) {
             Ok(src) => src,
             Err(e @ CodegenError::DequantUnavailable { .. }) => {
                 return Outcome::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))
