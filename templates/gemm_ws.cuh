@@ -536,8 +536,8 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 release((s - 1) % STAGES);
             }
             // The extended rows are stored before the main epilogue rather than after it: bf16
-            // Qwen3-30B-A3B at M = 4096 (H200, two rounds) 588-596 against 601-603 us uniform,
-            // 607-610 against 610-614 skewed.
+            // Qwen3-30B-A3B at M = 4096 on an H200, two rounds, 588-596 against 601-603 us
+            // uniform, 607-610 against 610-614 skewed (on an H100 within the spread).
             if (ext) {
                 ext_act(it, static_cast<const float*>(eacc), cols(), ws_ext_addr<BN>(bars));
                 ext_store(it, ws_ext_addr<BN>(bars));

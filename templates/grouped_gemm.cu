@@ -272,11 +272,13 @@ __device__ __forceinline__ ThreadCols<N> thread_cols(const float* cols, int lane
 // The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
 // in q + NQ) in row h, rounded to act_t; g and u: the gate and up column scales (col_scale), xs
 // the row's activation scale (X_PER_ROW).
-template <int NQ>
+// FTZ: through moe_act_ftz (the same values).
+template <int NQ, bool FTZ = false>
 __device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, float2 g, float2 u, float xs) {
     const float2 sg = make_float2(g.x * xs, g.y * xs), su = make_float2(u.x * xs, u.y * xs);
-    return make_float2((float)(act_t)(moe_act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
-                       (float)(act_t)(moe_act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
+    auto act = [](float v) { return FTZ ? moe_act_ftz(v) : moe_act(v); };
+    return make_float2((float)(act_t)(act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
+                       (float)(act_t)(act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
 }
 
 // Row r of a warp's 16 (lane / 4 + 8 h) from the lane that holds it: that lane's value x[h].
@@ -409,7 +411,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                 const float2 sg = col_scale(cols, lane, q), su = col_scale(cols, lane, q + NQ);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float2 g = swiglu_pair<NQ>(acc, q, h, sg, su, ep.xs[h]);
+                    const float2 g = swiglu_pair<NQ, true>(acc, q, h, sg, su, ep.xs[h]);
                     vh[h][q][0] = g.x, vh[h][q][1] = g.y;
                 }
             }

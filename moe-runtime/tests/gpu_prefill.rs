@@ -65,12 +65,78 @@ fn router_matches_the_cpu_reference_ties_included() {
             layer.forward_logits(&x, &up(&layer, &logits), &mut y).unwrap();
             let (ids, w) = layer.last_routing(m).unwrap();
             let (want_ids, want_w) = route(&spec, &logits, &bias);
-            assert_eq!(ids, want_ids, "{router} m={m} ties={ties} seed={seed}");
-            let err = w.iter().zip(&want_w).map(|(a, b)| (a - b).abs() / b.abs().max(1e-6)).fold(0f32, f32::max);
+            // Where two sigmoid scores are a few ulps apart (not equal), the kernel's f32 expf and
+            // the reference's f64 sigmoid may order them either way: at the edge of the choice
+            // the token is skipped, inside it the same experts must be chosen in either order.
+            let near = near_ties(&spec, &logits, &bias);
+            let skipped = near.iter().filter(|n| n.edge).count();
+            assert!(skipped <= m / 50 + 1, "{router} m={m}: {skipped} tokens on near-ties");
+            let k = spec.top_k() as usize;
+            let mut err = 0f32;
+            for t in (0..m).filter(|&t| !near[t].edge) {
+                let r = t * k..(t + 1) * k;
+                let (got, want) = (&ids[r.clone()], &want_ids[r.clone()]);
+                let sorted = |v: &[i32]| {
+                    let mut v = v.to_vec();
+                    v.sort();
+                    v
+                };
+                if near[t].order {
+                    assert_eq!(sorted(got), sorted(want), "{router} m={m} token {t} seed={seed}");
+                } else {
+                    assert_eq!(got, want, "{router} m={m} ties={ties} token {t} seed={seed}");
+                }
+                for (s, id) in got.iter().enumerate() {
+                    let j = want.iter().position(|v| v == id).unwrap();
+                    let (a, b) = (w[r.start + s], want_w[r.start + j]);
+                    err = err.max((a - b).abs() / b.abs().max(1e-6));
+                }
+            }
             assert!(err < 1e-5, "{router} m={m}: weight rel err {err}");
-            println!("router {router:<16} m={m:<5} ties={ties:<5} ids exact, weights max rel err {err:.2e}");
+            println!(
+                "router {router:<16} m={m:<5} ties={ties:<5} ids exact, weights max rel err {err:.2e} \
+                 ({skipped} tokens on near-ties)"
+            );
         }
     }
+}
+
+/// Where a token's group-limited choice rests on two f32 scores that differ by less than 1e-6
+/// (exact ties, which both sides break to the lowest id, count as decided): at the edge of the
+/// kept groups or of the top k (`edge`: the set may differ), or between two chosen experts
+/// (`order`: their slots may swap). Softmax routing chooses on the logits themselves, so both
+/// sides compare the same values: never.
+struct NearTie {
+    edge: bool,
+    order: bool,
+}
+fn near_ties(spec: &MoeSpec, logits: &[f32], bias: &[f32]) -> Vec<NearTie> {
+    let (e, k) = (spec.experts() as usize, spec.top_k() as usize);
+    let Router::GroupLimited(g) = spec.router() else {
+        return logits.chunks(e).map(|_| NearTie { edge: false, order: false }).collect();
+    };
+    let close = |a: f32, b: f32| a != b && (a - b).abs() < 1e-6;
+    let desc = |mut v: Vec<f32>| {
+        v.sort_by(|a, b| b.total_cmp(a));
+        v
+    };
+    let (gsize, kg) = (e / g.groups as usize, g.topk_groups as usize);
+    logits
+        .chunks(e)
+        .map(|row| {
+            let score: Vec<f32> =
+                row.iter().zip(bias).map(|(&v, &b)| (1.0 / (1.0 + (-(v as f64)).exp())) as f32 + b).collect();
+            let group = |j: usize| desc(score[j * gsize..(j + 1) * gsize].to_vec());
+            let gscore: Vec<f32> = (0..g.groups as usize).map(|j| group(j)[0] + group(j)[1]).collect();
+            let cut = desc(gscore.clone())[kg - 1];
+            let inside = desc((0..g.groups as usize).filter(|&j| gscore[j] >= cut).flat_map(group).collect());
+            let gs = desc(gscore);
+            let edge =
+                (kg < gs.len() && close(gs[kg - 1], gs[kg])) || (k < inside.len() && close(inside[k - 1], inside[k]));
+            let order = inside[..k].windows(2).any(|p| close(p[0], p[1]));
+            NearTie { edge, order }
+        })
+        .collect()
 }
 
 /// Routing whose histogram has empty experts, one expert taking everything, or spreads evenly.
