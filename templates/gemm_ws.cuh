@@ -238,8 +238,7 @@ __device__ __forceinline__ void cols_ready() {
 // share a weight tile (consecutive items, see work_item) then stream it at the same time, so it
 // comes from DRAM once; a static split drifts apart over the waves and re-reads it.
 //   item(w, rank)              the work item's row tile for this block, column block, expert
-//   a_row(item, r)             global address of row r of A (K-major), null for a padding row;
-//                              16-byte aligned, at a_any or past it by less than 64 GiB
+//   a_row(item, r)             global address of row r of A (K-major), null for a padding row
 //   a_any                      any readable address (the source of zero-filled padding rows)
 //   b_load(item, kt, dst, bar, rank)  one thread: TMA this block's share of the item's B k-tile
 //                              (BN x 128 bytes; with clusters multicast, see tma_load_tile)
@@ -367,28 +366,22 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 break;
             }
             const auto it = item(w, rank);
-            // The thread's A rows as 16-byte offsets from a_any (NO_ROW: padding), half the
-            // registers of pointers over the k-loop.
-            constexpr unsigned NO_ROW = ~0u;
-            auto offset = [&](const char* r) { return r ? static_cast<unsigned>((r - a_any) >> 4) : NO_ROW; };
-            unsigned rows[S::A_ROWS];
+            // (As 32-bit offsets from a_any, half the registers of these pointers, the rows made
+            // Mixtral-8x7B 4-7% slower: docs/prefill-notes.md.)
+            const char* rows[S::A_ROWS];
 #pragma unroll
-            for (int j = 0; j < S::A_ROWS; ++j) rows[j] = offset(a_row(it, t / 8 + 16 * j));
+            for (int j = 0; j < S::A_ROWS; ++j) rows[j] = a_row(it, t / 8 + 16 * j);
             const bool ext = EXT > 0 && it.ext;
-            unsigned erows[S::EXT_ROWS > 0 ? S::EXT_ROWS : 1];
+            const char* erows[S::EXT_ROWS > 0 ? S::EXT_ROWS : 1];
 #pragma unroll
-            for (int j = 0; j < S::EXT_ROWS; ++j) erows[j] = ext ? offset(a_row(it, BM + t / 8 + 16 * j)) : NO_ROW;
-            // Row r's chunk c of k-tile kt, or a_any's (a zero-filled copy) for a padding row.
-            auto src = [&](unsigned r, int kt) {
-                return a_any + (r != NO_ROW ? (static_cast<size_t>(r) << 4) + kt * BK_BYTES : 0) + c * 16;
-            };
+            for (int j = 0; j < S::EXT_ROWS; ++j) erows[j] = ext ? a_row(it, BM + t / 8 + 16 * j) : nullptr;
             // EARLY_B: the first item's first k-tiles of B go out before the wait for A's writer.
             constexpr int EARLY = EARLY_B ? (STAGES < KT ? STAGES : KT) : 0;
             if (EARLY > 0 && i == 0) {
                 if (t == 0)
                     for (int kt = 0; kt < EARLY; ++kt) {
                         const unsigned sa = base + kt * S::STAGE_BYTES;
-                        if (kt == 0) stage_item[0] = StageItem{(rows[0] != NO_ROW) | (rows[4] != NO_ROW) << 1, it};
+                        if (kt == 0) stage_item[0] = StageItem{(rows[0] != nullptr) | (rows[4] != nullptr) << 1, it};
                         mbar_arrive_expect_tx(full(kt), S::B_BYTES);
                         b_load(it, kt, sa + S::A_BYTES, full(kt), rank);
                     }
@@ -402,22 +395,24 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                 const unsigned sa = base + st * S::STAGE_BYTES;
                 if (t == 0 && !(i == 0 && kt < EARLY)) {
                     // Thread 0 holds rows 0 and 64 (padding rows close a tile).
-                    if (kt == 0) stage_item[st] = StageItem{(rows[0] != NO_ROW) | (rows[4] != NO_ROW) << 1, it};
+                    if (kt == 0) stage_item[st] = StageItem{(rows[0] != nullptr) | (rows[4] != nullptr) << 1, it};
                     mbar_arrive_expect_tx(full(st), S::B_BYTES);  // both blocks' shares land here
                     b_load(it, kt, sa + S::A_BYTES, full(st), rank);
                 }
 #pragma unroll
                 for (int j = 0; j < S::A_ROWS; ++j) {
                     const unsigned dst = sa + swz(t / 8 + 16 * j, c);
-                    if (KEEP_A) cp_async16_keep(dst, src(rows[j], kt), rows[j] != NO_ROW, keep);
-                    else cp_async16(dst, src(rows[j], kt), rows[j] != NO_ROW);
+                    const char* src = (rows[j] ? rows[j] + kt * BK_BYTES : a_any) + c * 16;
+                    if (KEEP_A) cp_async16_keep(dst, src, rows[j] != nullptr, keep);
+                    else cp_async16(dst, src, rows[j] != nullptr);
                 }
                 // Without the L2 hint: with it, ptxas 13.0 gave this copy an odd uniform register
                 // pair for the policy (illegal instruction on the H100).
                 if (ext)
 #pragma unroll
                     for (int j = 0; j < S::EXT_ROWS; ++j)
-                        cp_async16(sa + swz(BM + t / 8 + 16 * j, c), src(erows[j], kt), erows[j] != NO_ROW);
+                        cp_async16(sa + swz(BM + t / 8 + 16 * j, c), (erows[j] ? erows[j] + kt * BK_BYTES : a_any) + c * 16,
+                                   erows[j] != nullptr);
                 cp_async_arrive_noinc(full(st));
             }
         }

@@ -619,7 +619,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         }
     };
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
-                                           b_load, kscale, promote, prepare, epilogue, NoExt{}, NoExt{});
+                                           b_load, kscale, promote, prepare, epilogue,
+                                           NoExt{}, NoExt{});
 }
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile

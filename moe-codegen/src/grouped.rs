@@ -246,19 +246,6 @@ impl GemmTiles {
     pub fn max_tiles(&self, pairs: usize, experts: u32) -> usize {
         pairs.min(pairs / self.bm as usize + pairs.min(experts as usize))
     }
-
-    /// The most tokens one grouped step may take: the warp-specialised producers hold each A row
-    /// (x's, then the intermediate's) as a 32-bit offset in 16-byte units (64 GiB from the
-    /// operand's start), and tile rows are 32-bit indices. Counted with 2-byte elements, so it
-    /// holds for every format.
-    pub fn max_tokens(&self, spec: &MoeSpec) -> usize {
-        const SPAN: usize = 16 << 32; // bytes a 32-bit offset of 16-byte units reaches
-        let (h, i, k) = (spec.hidden() as usize, spec.intermediate() as usize, spec.top_k() as usize);
-        let pad = spec.experts() as usize * self.bm as usize; // the most padding rows (max_tiles)
-        let x_rows = SPAN / (2 * h);
-        let mid_rows = (SPAN / (2 * i)).min(i32::MAX as usize);
-        x_rows.min(mid_rows.saturating_sub(pad) / k)
-    }
 }
 
 /// Why a spec cannot use the grouped family, if it cannot.
@@ -738,26 +725,6 @@ mod tests {
         let odd = spec(2048, 640, 128, 8, WeightFormat::Bf16);
         let err = render_grouped(&odd, Arch::Sm90a, t).unwrap_err().to_string();
         assert!(err.contains("column blocks"), "{err}");
-    }
-
-    #[test]
-    fn max_tokens_keeps_every_a_row_within_its_offsets() {
-        for (h, i, e, k) in [(2048, 768, 128, 8), (4096, 14336, 8, 2)] {
-            let s = spec(h, i, e, k, WeightFormat::Bf16);
-            let t = GemmTiles::for_spec(&s, Arch::Sm90a);
-            let m = t.max_tokens(&s);
-            let span = 16u64 << 32;
-            let rows = |m: usize| (t.max_tiles(m * k as usize, e) * t.bm as usize) as u64;
-            assert!((m as u64) * h as u64 * 2 <= span && rows(m) * i as u64 * 2 <= span, "{h}x{i}: {m}");
-            assert!(rows(m) <= i32::MAX as u64);
-            // ... and is the bound: a few more tokens would pass one of them (the padding bound
-            // is loose by at most the experts' tiles).
-            let more = m + e as usize * 128 / k as usize + 1;
-            assert!((more as u64) * h as u64 * 2 > span || rows(more) * i as u64 * 2 > span, "{h}x{i}: {m}");
-        }
-        // Mixtral-8x7B: its intermediate rows bound it near 1.2 M tokens.
-        let s = spec(4096, 14336, 8, 2, WeightFormat::Bf16);
-        assert_eq!(GemmTiles::for_spec(&s, Arch::Sm90a).max_tokens(&s), (68_719_476_736 / 28_672 - 1024) / 2);
     }
 
     #[test]

@@ -39,8 +39,6 @@ pub enum RuntimeError {
     DecodeStepTooLarge { m: usize, max: usize },
     #[error("step of {m} tokens needs {need} bytes of shared memory for routing; the device allows {max}")]
     StepTooLarge { m: usize, need: u32, max: u32 },
-    #[error("a grouped step takes at most {max} tokens at this geometry (32-bit row offsets); got {m}: split it")]
-    GroupedStepTooLarge { m: usize, max: usize },
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

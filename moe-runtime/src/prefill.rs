@@ -215,10 +215,6 @@ impl GroupedPath {
                 return Ok(());
             }
         }
-        let max = self.tiles.max_tokens(spec);
-        if tokens > max {
-            return Err(RuntimeError::GroupedStepTooLarge { m: tokens, max });
-        }
         let capturing = stream.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         if capturing {
             return Err(RuntimeError::NotReserved { m: tokens });

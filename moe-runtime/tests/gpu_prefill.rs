@@ -290,12 +290,6 @@ fn out_of_range_ids_are_counted_and_their_pairs_skipped() {
     let (rel, cos) = compare(&down(&layer, &y), &moe_forward(&spec, &w, &x, &ref_ids, &ref_w));
     println!("two ids out of range, skipped: rel_l2={rel:.3e} cos={cos:.8}");
     assert!(rel <= 5e-3 && cos >= 0.9999, "rel_l2={rel:.3e} cos={cos:.8}");
-    // A step past what the GEMMs' 32-bit row offsets reach is refused before anything is sized.
-    let max = layer.grouped_tiles().unwrap().max_tokens(&spec);
-    match layer.reserve(max + 1) {
-        Err(moe_runtime::RuntimeError::GroupedStepTooLarge { m, max: got }) => assert_eq!((m, got), (max + 1, max)),
-        other => panic!("reserve({}) gave {other:?}", max + 1),
-    }
 }
 
 /// Whole layer, grouped family, against the f64 reference on up to 96 sampled tokens.
