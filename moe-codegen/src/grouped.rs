@@ -256,6 +256,14 @@ pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
         WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128 => 1,
         _ => return Err(format!("{f} weights (bf16, fp16, fp8_e4m3 and fp8_e4m3_b128 are supported)")),
     };
+    // The 16-bit GEMMs multiply x and the weights in one tensor-core type: bf16 weights need bf16
+    // activations (fp8 quantizes x from either dtype).
+    if f == WeightFormat::Bf16 && spec.act_dtype() != crate::spec::ActDtype::Bf16 {
+        return Err(format!(
+            "bf16 weights with {} activations (the tensor cores take one 16-bit type)",
+            spec.act_dtype()
+        ));
+    }
     if spec.activation() != Activation::Silu && spec.activation() != Activation::GeluTanh {
         return Err(format!("activation {}", spec.activation()));
     }
@@ -320,6 +328,7 @@ struct GroupedGemmCu {
 
 /// Render the grouped-GEMM family with explicit tiles.
 pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<KernelSource, CodegenError> {
+    crate::render::count_render();
     let family = KernelFamily::GroupedGemm;
     let unsupported = |what: String| CodegenError::Unsupported { family, arch, what };
     grouped_support(spec).map_err(unsupported)?;
@@ -461,6 +470,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         entry_points: entry_points(),
         block_threads: tiles.gemm_threads(),
         decode_tiles: None,
+        grouped_tiles: Some(tiles),
     })
 }
 

@@ -258,6 +258,22 @@ pub struct KernelSource {
     /// The tiles a warp-decode module was rendered with (None for the other families): the host
     /// sizes the decode grids from them.
     pub decode_tiles: Option<DecodeTiles>,
+    /// The tiles a grouped module was rendered with (None for the other families): the host
+    /// sizes its buffers and grids from them.
+    pub grouped_tiles: Option<grouped::GemmTiles>,
+}
+
+static RENDERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Kernel families rendered by this process so far (every [`render_warp_decode`] and
+/// [`grouped::render_grouped`]): lets a test check that a layer built from sources rendered at
+/// compile time renders nothing at run time.
+pub fn render_count() -> u64 {
+    RENDERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+pub(crate) fn count_render() {
+    RENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[derive(Template)]
@@ -313,6 +329,7 @@ fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) ->
 
 /// Render the warp-decode family with explicit tiles.
 pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
+    count_render();
     let variant = resolve_dequant(spec, arch)?;
     if tiles.warps == 0 || tiles.gu_chunk == 0 || tiles.dn_chunk == 0 || tiles.dn_rows == 0 {
         return Err(CodegenError::Unsupported {
@@ -405,6 +422,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         entry_points: entry_points(KernelFamily::WarpDecode),
         block_threads: tiles.warps * 32,
         decode_tiles: Some(tiles),
+        grouped_tiles: None,
     })
 }
 
@@ -449,6 +467,7 @@ pub fn render_dequant_probe(
         entry_points: vec!["dequant_probe".to_string()],
         block_threads: PROBE_THREADS,
         decode_tiles: None,
+        grouped_tiles: None,
     })
 }
 
@@ -467,6 +486,15 @@ pub fn decode_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<DecodeTiles>
     match family {
         KernelFamily::WarpDecode => Some(DecodeTiles::for_spec(spec)),
         KernelFamily::GroupedGemm => None,
+    }
+}
+
+/// The grouped tiles of a family's module for a spec on an arch: what [`render`] puts in
+/// [`KernelSource::grouped_tiles`].
+pub fn grouped_tiles(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Option<grouped::GemmTiles> {
+    match family {
+        KernelFamily::WarpDecode => None,
+        KernelFamily::GroupedGemm => Some(grouped::GemmTiles::for_spec(spec, arch)),
     }
 }
 

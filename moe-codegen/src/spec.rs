@@ -76,6 +76,10 @@ impl ActDtype {
             ActDtype::Fp16 => "fp16",
         }
     }
+    /// Bytes of one element.
+    pub const fn bytes(self) -> usize {
+        2
+    }
     /// The CUDA C type name.
     pub const fn cuda_type(self) -> &'static str {
         match self {

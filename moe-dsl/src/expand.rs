@@ -65,7 +65,8 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     let ident = &item.ident;
     let panic_msg = format!("#[moe_kernel] checked this spec at expansion time: {geometry}");
 
-    // One const per distinct source text (today every arch of a family renders the same text).
+    // One const per distinct source text: warp decode renders one text for every arch, the grouped
+    // family one for sm_90a (wgmma) and others for the mma.sync archs.
     let mut texts: Vec<&str> = Vec::new();
     let mut rows = Vec::new();
     let mut source_docs = String::new();
@@ -84,16 +85,17 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         quote!(const #text: &str = #t;)
     });
 
+    // `with_sources` needs the warp-decode module; without that family there is no `load`.
     let load = families.iter().any(|f| f.value == KernelFamily::WarpDecode).then(|| {
         let doc = format!(
-            " Upload `weights` to `device` and build this layer ({geometry}) with the warp-decode \
-             kernels rendered at compile time for the device's arch.\n\n \
-             The JIT cache is keyed on the rendered source, so this source and a runtime \
-             `moe_codegen::render` of [`Self::SPEC`] share one cache entry.\n\n \
-             # Panics\n\n If the device's arch is not one of [`Self::ARCHS`] ({arch_names})."
-        );
-        let missing = format!(
-            "{ident} was declared with #[moe_kernel(archs = [{arch_names}])]; add the device's arch to `archs`"
+            " Upload `weights` to `device` and build this layer ({geometry}) from the kernels rendered \
+             at compile time for the device's arch: every declared family ({family_names}) in \
+             [`Self::SOURCES`], passed to `MoeLayer::with_sources`. Nothing is rendered at run time.\n\n \
+             The JIT cache is keyed on the rendered source, so these sources and a runtime \
+             `moe_codegen::render` of [`Self::SPEC`] share cache entries.\n\n \
+             # Errors\n\n `RuntimeError::MissingSource` if the device's arch is not one of \
+             [`Self::ARCHS`] ({arch_names}); otherwise those of `MoeLayer::with_sources` (a \
+             compile or upload failure)."
         );
         quote! {
             #[doc = #doc]
@@ -101,11 +103,14 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 device: &::moeforge::runtime::Device,
                 weights: &::moeforge::runtime::HostWeights,
             ) -> ::core::result::Result<::moeforge::runtime::MoeLayer, ::moeforge::runtime::RuntimeError> {
-                let source = ::core::option::Option::expect(
-                    Self::kernel_source(#cg::KernelFamily::WarpDecode, device.arch()),
-                    #missing,
-                );
-                ::moeforge::runtime::MoeLayer::with_source(device, Self::SPEC, source, weights)
+                let arch = device.arch();
+                let mut sources = ::std::vec::Vec::new();
+                for &family in Self::FAMILIES {
+                    if let ::core::option::Option::Some(source) = Self::kernel_source(family, arch) {
+                        sources.push(source);
+                    }
+                }
+                ::moeforge::runtime::MoeLayer::with_sources(device, Self::SPEC, &sources, weights)
             }
         }
     });
@@ -175,6 +180,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                     entry_points: #cg::render::entry_points(family),
                     block_threads: #cg::render::block_threads(&Self::SPEC, family, arch),
                     decode_tiles: #cg::render::decode_tiles(&Self::SPEC, family),
+                    grouped_tiles: #cg::render::grouped_tiles(&Self::SPEC, family, arch),
                 })
             }
 
@@ -197,12 +203,159 @@ fn render_all(c: &Checked) -> syn::Result<Vec<(KernelFamily, moe_codegen::Arch, 
         for arch in &c.archs {
             match render(&c.spec, family.value, arch.value) {
                 Ok(k) => out.push((k.family, k.arch, k.name, k.source)),
+                // The family exists for the spec (args.rs checked that) but this arch refuses it: at
+                // the arch's entry, or at the family's where the archs were defaulted.
                 Err(e @ (CodegenError::Unsupported { .. } | CodegenError::DequantUnavailable { .. })) => {
-                    return Err(arch.error(e))
+                    return Err(if arch.ident.is_some() { arch.error(e) } else { family.error(e) })
                 }
                 Err(e) => return Err(syn::Error::new(Span::call_site(), e)),
             }
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The expansion itself, as tokens: what no use of the generated items can observe.
+
+    use super::expand;
+    use moe_codegen::{render, Arch, KernelFamily, MoeSpec};
+    use proc_macro2::{TokenStream, TokenTree};
+    use quote::{quote, ToTokens};
+
+    fn expansion(attr: &str) -> syn::File {
+        let out = expand(
+            attr.parse().unwrap(),
+            quote!(
+                pub struct Layer;
+            ),
+        );
+        syn::parse2(out).unwrap()
+    }
+
+    fn impl_items(file: &syn::File) -> Vec<syn::ImplItem> {
+        let imps = file.items.iter().filter_map(|i| match i {
+            syn::Item::Impl(imp) => Some(imp.items.clone()),
+            _ => None,
+        });
+        imps.flatten().collect()
+    }
+
+    /// Every identifier in `tokens`, groups included.
+    fn idents(tokens: TokenStream, out: &mut Vec<String>) {
+        for t in tokens {
+            match t {
+                TokenTree::Ident(i) => out.push(i.to_string()),
+                TokenTree::Group(g) => idents(g.stream(), out),
+                _ => {}
+            }
+        }
+    }
+
+    fn load_idents(attr: &str) -> Option<Vec<String>> {
+        let file = expansion(attr);
+        let load = impl_items(&file).into_iter().find_map(|i| match i {
+            syn::ImplItem::Fn(f) if f.sig.ident == "load" => Some(f),
+            _ => None,
+        })?;
+        let mut out = Vec::new();
+        idents(load.block.to_token_stream(), &mut out);
+        Some(out)
+    }
+
+    const SPECS: [&str; 5] = [
+        "hidden = 2048, intermediate = 768, experts = 128, top_k = 8",
+        "hidden = 2048, intermediate = 768, experts = 128, top_k = 8, archs = [sm_90a]",
+        "hidden = 2048, intermediate = 768, experts = 128, top_k = 8, families = [warp_decode]",
+        "hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_g128, archs = [sm_100a]",
+        "hidden = 2880, intermediate = 2880, experts = 32, top_k = 4, format = fp8_e4m3, act_dtype = fp16",
+    ];
+
+    /// `load` returns a `Result`: an undeclared arch is `RuntimeError::MissingSource`, never a panic.
+    #[test]
+    fn load_cannot_panic() {
+        const PANICKING: [&str; 9] =
+            ["expect", "unwrap", "panic", "unreachable", "todo", "unimplemented", "assert", "assert_eq", "assert_ne"];
+        for attr in SPECS {
+            let ids = load_idents(attr).unwrap_or_else(|| panic!("no `load` for {attr}"));
+            for p in PANICKING {
+                assert!(!ids.iter().any(|i| i == p), "`load` of {attr} calls `{p}`: {ids:?}");
+            }
+        }
+    }
+
+    /// `load` builds the layer from the embedded sources: no `render`, no `with_source` (which
+    /// renders the grouped family), `with_sources` with every declared family.
+    #[test]
+    fn load_uses_the_embedded_sources() {
+        for attr in SPECS {
+            let ids = load_idents(attr).unwrap();
+            assert!(ids.iter().any(|i| i == "with_sources"), "{attr}: {ids:?}");
+            assert!(ids.iter().any(|i| i == "FAMILIES") && ids.iter().any(|i| i == "kernel_source"), "{attr}");
+            for renders in ["render", "render_grouped", "render_warp_decode", "with_source", "load"] {
+                assert!(!ids.iter().any(|i| i == renders), "`load` of {attr} calls `{renders}`: {ids:?}");
+            }
+        }
+        // No warp decode, no `load` (`with_sources` needs it).
+        assert!(load_idents("hidden = 2048, intermediate = 768, experts = 128, top_k = 8, families = [grouped_gemm]")
+            .is_none());
+    }
+
+    /// `SOURCES` holds one const per distinct text, and each row names the text rendered for its
+    /// pair: warp decode shares one text across archs, the grouped family's differ (wgmma on
+    /// sm_90a, mma.sync elsewhere).
+    #[test]
+    fn sources_hold_one_const_per_distinct_text() {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+        let file = expansion("hidden = 2048, intermediate = 768, experts = 128, top_k = 8");
+        let sources = impl_items(&file)
+            .into_iter()
+            .find_map(|i| match i {
+                syn::ImplItem::Const(c) if c.ident == "SOURCES" => Some(c.expr),
+                _ => None,
+            })
+            .unwrap();
+        let syn::Expr::Block(block) = sources else { panic!("SOURCES is a block") };
+        let mut texts: Vec<(String, String)> = Vec::new();
+        let mut rows = None;
+        for stmt in &block.block.stmts {
+            match stmt {
+                syn::Stmt::Item(syn::Item::Const(c)) => {
+                    let syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }) = &*c.expr else {
+                        panic!("a source const holds a string literal")
+                    };
+                    texts.push((c.ident.to_string(), s.value()));
+                }
+                syn::Stmt::Expr(syn::Expr::Reference(r), None) => rows = Some(r.expr.clone()),
+                other => panic!("unexpected statement {}", other.to_token_stream()),
+            }
+        }
+        let syn::Expr::Array(rows) = *rows.unwrap() else { panic!("SOURCES is an array") };
+        let last = |e: &syn::Expr| match e {
+            syn::Expr::Path(p) => p.path.segments.last().unwrap().ident.to_string(),
+            _ => panic!("a path"),
+        };
+
+        let mut want = Vec::new();
+        for family in KernelFamily::ALL {
+            for arch in Arch::ALL {
+                want.push(render(&spec, family, arch).unwrap());
+            }
+        }
+        let mut distinct: Vec<&str> = want.iter().map(|k| k.source.as_str()).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(texts.len(), distinct.len(), "one const per distinct text");
+        assert!(distinct.len() >= 3, "warp decode's one text and the grouped family's two or more");
+        assert_eq!(rows.elems.len(), want.len());
+        for (row, k) in rows.elems.iter().zip(&want) {
+            let syn::Expr::Tuple(t) = row else { panic!("a row is a tuple") };
+            let e: Vec<&syn::Expr> = t.elems.iter().collect();
+            assert_eq!(last(e[0]), format!("{:?}", k.family));
+            assert_eq!(last(e[1]), format!("{:?}", k.arch));
+            let text = &texts.iter().find(|(name, _)| *name == last(e[3])).unwrap().1;
+            assert!(*text == k.source, "{} on {}: the row names another text", k.family, k.arch);
+        }
+    }
 }

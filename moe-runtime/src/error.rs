@@ -35,8 +35,8 @@ pub enum RuntimeError {
     NoStepYet,
     #[error("the {family} family is not available for this layer: {why}")]
     FamilyUnavailable { family: moe_codegen::KernelFamily, why: String },
-    #[error("warp decode takes at most {max} tokens per step at this hidden size; got {m}")]
-    DecodeStepTooLarge { m: usize, max: usize },
+    #[error("no {family} source for {arch} among the sources given (render it for the device's arch)")]
+    MissingSource { family: moe_codegen::KernelFamily, arch: Arch },
     #[error("step of {m} tokens needs {need} bytes of shared memory for routing; the device allows {max}")]
     StepTooLarge { m: usize, need: u32, max: u32 },
 }

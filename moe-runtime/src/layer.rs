@@ -94,6 +94,9 @@ pub struct MoeLayer {
     grouped: std::result::Result<GroupedPath, String>,
     /// Steps of at least this many tokens take the grouped GEMMs.
     prefill_threshold: usize,
+    /// The most tokens one warp-decode launch routes (its shared memory and 32-bit indices);
+    /// larger decode steps run as consecutive launches of at most this many tokens.
+    decode_chunk: usize,
     deterministic: bool,
     /// The group-limited router's per-expert correction bias (zeros until set).
     router_bias: CudaSlice<f32>,
@@ -215,7 +218,8 @@ pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 }
 
 impl MoeLayer {
-    /// Render the spec's warp-decode kernels for this device, build them and upload the weights.
+    /// Render the spec's kernels for this device (warp decode, and the grouped family where the
+    /// spec allows it), build them and upload the weights.
     pub fn load(device: &Device, spec: MoeSpec, weights: &HostWeights) -> Result<MoeLayer> {
         let src = render(&spec, KernelFamily::WarpDecode, device.arch())?;
         MoeLayer::with_source(device, spec, src, weights)
@@ -226,8 +230,54 @@ impl MoeLayer {
         self.grouped.as_ref().map(|_| ()).map_err(|w| w.as_str())
     }
 
-    /// As [`MoeLayer::load`], with source rendered ahead of time (e.g. by `#[moe_kernel]`).
+    /// As [`MoeLayer::load`], with the warp-decode source rendered ahead of time; the grouped
+    /// family, where the spec allows it, is rendered here.
     pub fn with_source(device: &Device, spec: MoeSpec, src: KernelSource, weights: &HostWeights) -> Result<MoeLayer> {
+        let grouped = match moe_codegen::grouped_support(&spec) {
+            Ok(()) => Ok(GroupedPath::load(device, &spec)?),
+            Err(why) => Err(why),
+        };
+        MoeLayer::build(device, spec, src, grouped, weights)
+    }
+
+    /// A layer from sources rendered ahead of time (e.g. by `#[moe_kernel]`): renders nothing.
+    /// `sources` must hold the warp-decode module for the device's arch; a grouped module for
+    /// that arch gives the layer the grouped family, and without one every step takes warp decode.
+    pub fn with_sources(
+        device: &Device,
+        spec: MoeSpec,
+        sources: &[KernelSource],
+        weights: &HostWeights,
+    ) -> Result<MoeLayer> {
+        let arch = device.arch();
+        let find = |family| sources.iter().find(|s| s.family == family && s.arch == arch);
+        let decode = find(KernelFamily::WarpDecode)
+            .ok_or(RuntimeError::MissingSource { family: KernelFamily::WarpDecode, arch })?
+            .clone();
+        let grouped = match find(KernelFamily::GroupedGemm) {
+            Some(src) => {
+                let tiles = src.grouped_tiles.ok_or_else(|| RuntimeError::Shape {
+                    what: "KernelSource::grouped_tiles",
+                    expected: "the tiles the grouped source was rendered with".into(),
+                    got: "none".into(),
+                })?;
+                Ok(GroupedPath::with_source(device, &spec, tiles, src)?)
+            }
+            None => Err(format!("no grouped source for {arch} among the layer's sources")),
+        };
+        MoeLayer::build(device, spec, decode, grouped, weights)
+    }
+
+    fn build(
+        device: &Device,
+        spec: MoeSpec,
+        src: KernelSource,
+        grouped: std::result::Result<GroupedPath, String>,
+        weights: &HostWeights,
+    ) -> Result<MoeLayer> {
+        if let Err(why) = &grouped {
+            tracing::info!(%why, "no grouped GEMM path; every step uses warp decode");
+        }
         weights.validate(&spec)?;
         let dt = src.decode_tiles.ok_or_else(|| RuntimeError::Shape {
             what: "KernelSource::decode_tiles",
@@ -275,6 +325,11 @@ impl MoeLayer {
             static_smem =
                 static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
         }
+        let decode_chunk = decode_chunk(&spec, static_smem as u32, device.max_smem_optin());
+        if decode_chunk == 0 {
+            let need = decode_smem_bytes(&spec, 1) + static_smem as u32;
+            return Err(RuntimeError::StepTooLarge { m: 1, need, max: device.max_smem_optin() });
+        }
         // Formats without scales still get a small buffer so every pointer is valid.
         let nonempty = |v: &[u8]| if v.is_empty() { vec![0u8; 16] } else { v.to_vec() };
         let layer = MoeLayer {
@@ -301,13 +356,8 @@ impl MoeLayer {
             // Measured on the H100 (benches/results/h100-decode.json): the split pair is faster.
             fused: false,
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
-            grouped: match moe_codegen::grouped_support(&spec) {
-                Ok(()) => Ok(GroupedPath::load(device, &spec)?),
-                Err(why) => {
-                    tracing::info!(%why, "no grouped GEMM path; every step uses warp decode");
-                    Err(why)
-                }
-            },
+            grouped,
+            decode_chunk,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
             deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
@@ -365,7 +415,16 @@ impl MoeLayer {
         if let Ok(g) = &self.grouped {
             g.reserve(&self.stream, &self.spec, max_tokens, self.deterministic)?;
         }
-        self.reserve_decode(max_tokens.min(self.prefill_threshold))
+        // Warp decode takes the steps below the threshold, or every step without the grouped
+        // family; a decode step is never launched on more than `decode_chunk` tokens at once.
+        let decode_max = if self.grouped.is_ok() { max_tokens.min(self.prefill_threshold) } else { max_tokens };
+        self.reserve_decode(decode_max.min(self.decode_chunk))
+    }
+
+    /// The most tokens one warp-decode launch takes; larger steps are split into launches of at
+    /// most this many, on the stream, with no host synchronisation.
+    pub fn decode_chunk(&self) -> usize {
+        self.decode_chunk
     }
 
     fn reserve_decode(&self, max_tokens: usize) -> Result<()> {
@@ -593,18 +652,31 @@ impl MoeLayer {
         }
     }
 
+    /// Warp decode over a step of any size: launches of at most `decode_chunk` tokens, each on
+    /// its own rows of x, the routing and y (the chunks share the intermediate scratch, which
+    /// each gate_up writes only after its `griddepcontrol.wait` on the down before it).
     fn forward_decode(&self, m: usize, p: &StepPtrs) -> Result<()> {
+        let (h, k) = (self.spec.hidden() as u64, self.spec.top_k() as u64);
+        let act = self.spec.act_dtype().bytes() as u64;
+        let chunk = self.decode_chunk;
+        self.reserve_decode(m.min(chunk))?;
+        for start in (0..m).step_by(chunk) {
+            let t = start as u64;
+            let part = StepPtrs {
+                x: p.x + t * h * act,
+                ids: p.ids + t * k * 4,
+                weights: p.weights + t * k * 4,
+                y: p.y + t * h * act,
+                ..*p
+            };
+            self.launch_decode(chunk.min(m - start), &part)?;
+        }
+        Ok(())
+    }
+
+    fn launch_decode(&self, m: usize, p: &StepPtrs) -> Result<()> {
         let (h, k) = (self.spec.hidden() as usize, self.spec.top_k() as usize);
-        // down's work index (hidden output, token) is 32-bit.
-        let max = i32::MAX as usize / h;
-        if m > max {
-            return Err(RuntimeError::DecodeStepTooLarge { m, max });
-        }
         let smem = decode_smem_bytes(&self.spec, m as u32);
-        if smem + self.static_smem > self.max_smem {
-            return Err(RuntimeError::StepTooLarge { m, need: smem + self.static_smem, max: self.max_smem });
-        }
-        self.reserve_decode(m)?;
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
@@ -717,6 +789,24 @@ impl MoeLayer {
         validate_ids(&ids, self.spec.experts())
     }
 }
+
+/// The largest token count `c` such that a warp-decode launch of every size up to `c` fits the
+/// device's shared memory and the kernels' 32-bit work indices (0: not even one token fits).
+/// Scanned rather than solved: the activation staging switches off past a size, so the bytes a
+/// step needs are not monotonic in its tokens.
+fn decode_chunk(spec: &MoeSpec, static_smem: u32, max_smem: u32) -> usize {
+    let max = i32::MAX as usize / spec.hidden() as usize;
+    // The intermediate scratch is sized for one launch: cap it, but never below one token.
+    let mid_cap = (MAX_DECODE_MID_BYTES / (4 * decode_mid_floats(spec, 1))).max(1);
+    (1..=max.min(mid_cap))
+        .take_while(|&m| decode_smem_bytes(spec, m as u32) + static_smem <= max_smem)
+        .last()
+        .unwrap_or(0)
+}
+
+/// Cap on the intermediate scratch of one warp-decode launch: steps that large are far past the
+/// sizes warp decode serves well, so more launches cost little and the memory stays bounded.
+const MAX_DECODE_MID_BYTES: usize = 64 << 20;
 
 /// Every id in `[0, experts)`, else a typed error naming the first offender.
 pub fn validate_ids(ids: &[i32], experts: u32) -> Result<()> {

@@ -17,6 +17,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 /// Device pointers the grouped path reads for one step.
+#[derive(Clone, Copy)]
 pub(crate) struct StepPtrs {
     pub x: u64,
     /// Router logits `[M, E]` and bias (0: `ids` / `weights` are given); moe_prepare then routes
