@@ -15,9 +15,16 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["NAME"]:
         print(m["executable"])'
 }
-for t in gpu_decode gpu_formats gpu_prefill; do
+for t in ${TESTS:-gpu_decode gpu_formats gpu_prefill gpu_layer}; do
   cp "$(bin $t test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
 done
+# Tests of the facade crate (the macro's paths are ::moeforge::...).
+for f in tests/gpu_*.rs; do
+  [ -e "$f" ] || continue
+  t=$(basename "$f" .rs)
+  cp "$(bin $t test --release -p moeforge --test $t --no-run | tail -1)" gpu-bundle/$t
+done
+[ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
 cp "$(bin qwen3_decode build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode

@@ -10,6 +10,7 @@ pub mod cache;
 pub mod device;
 pub mod error;
 pub mod jit;
+mod launch;
 pub mod layer;
 pub mod prefill;
 pub mod reference;

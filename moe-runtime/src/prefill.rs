@@ -8,7 +8,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
-use crate::layer::{cooperative_attrs, launch, launch_attrs, launch_with, max_active_clusters, ptr};
+use crate::launch::{cooperative_attrs, launch, launch_attrs, launch_with, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
