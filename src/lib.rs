@@ -28,16 +28,24 @@
 //! let spec = moeforge::MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
 //! assert_eq!(spec, Qwen3Moe::SPEC);
 //!
-//! // Every declared (family, arch) was rendered when the macro expanded.
+//! // `families` left out: every family the spec supports (warp decode, and the grouped GEMMs
+//! // for bf16, fp16 and fp8 weights the geometry fits).
+//! assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+//! assert_eq!(Olmoe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+//!
+//! // Every (family, arch) was rendered when the macro expanded.
 //! for &(family, arch, name, source) in Qwen3Moe::SOURCES {
 //!     println!("{family} {arch}: {name}, {} bytes", source.len());
 //! }
+//! assert_eq!(Qwen3Moe::SOURCES.len(), 2 * 3);
 //! let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm100a).unwrap();
 //! assert_eq!(k, moeforge::render(&spec, KernelFamily::WarpDecode, Arch::Sm100a).unwrap());
 //! assert!(Olmoe::kernel_source(KernelFamily::WarpDecode, Arch::Sm100a).is_none());
 //! ```
 //!
-//! On a GPU, `load` uploads the weights and JITs the source rendered for the device's arch:
+//! On a GPU, `load` uploads the weights and JITs the sources embedded for the device's arch, every
+//! declared family's (`MoeLayer::with_sources`): nothing is rendered at run time, and an arch
+//! missing from `archs` is `Err(RuntimeError::MissingSource)`:
 //!
 //! ```no_run
 //! # use moeforge::moe_kernel;
@@ -47,7 +55,10 @@
 //!
 //! fn build(weights: &HostWeights) -> Result<MoeLayer, RuntimeError> {
 //!     let device = Device::new(0)?;
-//!     Qwen3Moe::load(&device, weights)
+//!     let layer = Qwen3Moe::load(&device, weights)?;
+//!     // bf16: large steps take the grouped GEMMs, embedded like warp decode.
+//!     assert!(layer.grouped_available().is_ok());
+//!     Ok(layer)
 //! }
 //! ```
 //!

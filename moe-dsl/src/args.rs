@@ -3,7 +3,10 @@
 //! through `MoeSpec::new`: the macro owns no list of names and no validation rule of its own.
 
 use moe_codegen::spec::VECTOR_WIDTH_WHY;
-use moe_codegen::{ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, SpecError, WeightFormat};
+use moe_codegen::{
+    family_supports, grouped_support, ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, SpecError,
+    WeightFormat,
+};
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use std::str::FromStr;
@@ -270,7 +273,8 @@ impl Args {
         let mut act_dtype: Option<Given<ActDtype>> = None;
         let mut dequant: Option<Given<DequantVariant>> = None;
         let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
-        let mut families = vec![Item { value: KernelFamily::WarpDecode, ident: None }];
+        // `None`: every family the spec supports, decided once the spec is built.
+        let mut families: Option<Vec<Item<KernelFamily>>> = None;
 
         for arg in &self.0 {
             let key = arg.key.unraw().to_string();
@@ -295,7 +299,7 @@ impl Args {
                 "activation" => name(arg).map(|v| activation = Given::of(arg, v)),
                 "act_dtype" => name(arg).map(|v| act_dtype = Some(Given::of(arg, v))),
                 "archs" => list(arg).map(|v| archs = v),
-                "families" => list(arg).map(|v| families = v),
+                "families" => list(arg).map(|v| families = Some(v)),
                 _ => unreachable!("every key in KEYS is handled"),
             };
             if let Err(e) = r {
@@ -362,6 +366,36 @@ impl Args {
                 SpecError::Unknown { .. } | SpecError::Router { .. } => syn::Error::new(Span::call_site(), &e),
             }
         })?;
+        let families = match families {
+            Some(declared) => {
+                let mut errors = Errors::default();
+                for f in &declared {
+                    if let Some(why) = family_unavailable(f.value, &spec) {
+                        errors.push(f.error(format_args!("{} is not available for this spec: {why}", f.value)));
+                    }
+                }
+                errors.finish()?;
+                declared
+            }
+            None => KernelFamily::ALL
+                .into_iter()
+                .filter(|&f| family_supports(f, &spec))
+                .map(|value| Item { value, ident: None })
+                .collect(),
+        };
         Ok(Checked { spec, archs, families })
     }
+}
+
+/// Why `family` has no kernels for `spec` on any arch (`None` where it has them): the error at a
+/// declared family the spec rules out, rather than an error naming an arch.
+fn family_unavailable(family: KernelFamily, spec: &MoeSpec) -> Option<String> {
+    if family_supports(family, spec) {
+        return None;
+    }
+    let why = match family {
+        KernelFamily::GroupedGemm => grouped_support(spec).err(),
+        _ => None,
+    };
+    Some(why.unwrap_or_else(|| "moe_codegen::family_supports refuses it".into()))
 }

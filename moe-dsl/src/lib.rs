@@ -7,7 +7,8 @@ mod args;
 mod expand;
 
 /// Declare an MoE layer: the spec is checked and its CUDA kernels are rendered when the macro
-/// expands, so a bad geometry is a compile error and the binary carries exactly the source it JITs.
+/// expands, so a bad geometry is a compile error and the binary carries exactly the source it JITs
+/// (`load` builds the layer from those sources and renders nothing at run time).
 ///
 /// ```
 /// use moeforge::{moe_kernel, Arch, KernelFamily, WeightFormat};
@@ -29,10 +30,23 @@ mod expand;
 /// assert_eq!(Qwen3Moe::SPEC.weight_format(), WeightFormat::Bf16);
 /// assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
 ///
+/// // `families` left out: every family the spec supports, both for bf16.
+/// assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+///
 /// // The sources rendered at compile time are exactly what `render` produces at run time.
+/// for &family in Qwen3Moe::FAMILIES {
+///     for &arch in Qwen3Moe::ARCHS {
+///         let k = Qwen3Moe::kernel_source(family, arch).unwrap();
+///         assert_eq!(k, moeforge::render(&Qwen3Moe::SPEC, family, arch).unwrap());
+///     }
+/// }
 /// let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
-/// assert_eq!(k, moeforge::render(&Qwen3Moe::SPEC, KernelFamily::WarpDecode, Arch::Sm90a).unwrap());
 /// assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
+///
+/// /// Quantized weights: warp decode only (the grouped GEMMs take bf16, fp16 and fp8).
+/// #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_g128)]
+/// pub struct Qwen3Int4;
+/// assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode]);
 /// ```
 ///
 /// # Arguments
@@ -48,7 +62,7 @@ mod expand;
 /// | `activation` | `silu`, `gelu_tanh` | `silu` |
 /// | `act_dtype` | `bf16`, `fp16` | the format's (`fp16` for fp16 weights, else `bf16`) |
 /// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
-/// | `families` | list of `warp_decode` | `[warp_decode]` |
+/// | `families` | list of `warp_decode`, `grouped_gemm` | every family the spec supports (`moe_codegen::family_supports`) |
 ///
 /// Names are parsed by moe-codegen's `FromStr` impls and the spec is built by the same
 /// `MoeSpec::new` the runtime uses, so the macro accepts exactly what the runtime accepts. Every
@@ -56,7 +70,9 @@ mod expand;
 /// `top_k > experts`, a size the format's 16-byte vector or scale group does not divide
 /// (`hidden = 2056` with `fp8_e4m3`), an unknown format, dequant variant, activation, dtype, arch
 /// or family, a dequant variant the format lacks (at `dequant`) or a declared arch lacks (at the
-/// arch; every target arch has every variant of its formats today).
+/// arch; every target arch has every variant of its formats today), a declared family the spec
+/// has no kernels for (at that `families` entry, with `moe_codegen::grouped_support`'s reason:
+/// `grouped_gemm` with int4 weights, or with bf16 weights and fp16 activations).
 ///
 /// ```compile_fail
 /// # use moeforge::moe_kernel;
@@ -65,17 +81,30 @@ mod expand;
 /// pub struct Olmoe;
 /// ```
 ///
+/// ```compile_fail
+/// # use moeforge::moe_kernel;
+/// // error: grouped_gemm is not available for this spec: int4 weights (bf16, fp16, fp8_e4m3 and
+/// // fp8_e4m3_b128 are supported)
+/// #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4,
+///              families = [warp_decode, grouped_gemm])]
+/// pub struct Qwen3Int4;
+/// ```
+///
 /// # Generated items
 ///
 /// The struct is kept (its docs gain a line stating the geometry) and gets:
 ///
 /// - `pub const SPEC: moeforge::MoeSpec`;
-/// - `pub const ARCHS: &[Arch]` and `pub const FAMILIES: &[KernelFamily]`, as declared;
+/// - `pub const ARCHS: &[Arch]` and `pub const FAMILIES: &[KernelFamily]`, as declared (or defaulted);
 /// - `pub const SOURCES: &[(KernelFamily, Arch, &str, &str)]`: family, arch, module name and CUDA C
-///   source of every declared pair, rendered by `moe_codegen::render` during expansion;
+///   source of every declared pair, rendered by `moe_codegen::render` during expansion (each
+///   distinct text embedded once: warp decode's is the same on every arch, the grouped family's
+///   differs between `sm_90a` and the `mma.sync` archs);
 /// - `pub fn kernel_source(family, arch) -> Option<KernelSource>`, equal to `render(&SPEC, family, arch)`;
-/// - `pub fn load(&Device, &HostWeights) -> Result<MoeLayer, RuntimeError>`: the runtime layer built
-///   with the warp-decode source for the device's arch (panics if that arch was not declared).
+/// - `pub fn load(&Device, &HostWeights) -> Result<MoeLayer, RuntimeError>` (where `warp_decode` is
+///   among the families): the runtime layer built by `MoeLayer::with_sources` from the embedded
+///   sources of every declared family for the device's arch, rendering nothing at run time;
+///   `Err(RuntimeError::MissingSource)` if that arch was not declared.
 ///
 /// ```no_run
 /// # use moeforge::moe_kernel;

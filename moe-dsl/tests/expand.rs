@@ -53,13 +53,14 @@ fn spec_holds_the_declared_values() {
     assert_eq!(s.activation(), Activation::Silu);
     assert_eq!(s, MoeSpec::builder(2048, 768, 128, 8).build().unwrap());
     assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
-    assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode]);
-    assert_eq!(Qwen3Moe::SOURCES.len(), 3);
+    // Families default to every one the spec supports: both for bf16.
+    assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+    assert_eq!(Qwen3Moe::SOURCES.len(), 6);
 
     let o = Olmoe::SPEC;
     assert_eq!(o.id(), "h2048_i1024_e64_k8_fp8_e4m3_bf16_silu");
     assert_eq!(Olmoe::ARCHS, &[Arch::Sm120a, Arch::Sm90a], "declared order is kept");
-    assert_eq!(Olmoe::SOURCES.len(), 2);
+    assert_eq!(Olmoe::SOURCES.len(), 4);
 
     // fp16 weights default to fp16 activations.
     assert_eq!(SmallFp16::SPEC.act_dtype(), ActDtype::Fp16);
@@ -82,6 +83,78 @@ fn spec_holds_the_declared_values() {
             .build()
             .unwrap()
     );
+}
+
+/// bf16 weights with fp16 activations: warp decode only (the grouped GEMMs take one 16-bit type).
+#[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, act_dtype = fp16, archs = [sm_90a])]
+struct Bf16WeightsFp16Acts;
+
+/// fp8 weights with fp16 activations: both families (GEMM1 quantizes x from either dtype).
+#[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = fp8_e4m3, act_dtype = fp16,
+             archs = [sm_100a])]
+struct Fp8WeightsFp16Acts;
+
+/// Plain int4: warp decode only (the grouped family does not dequantize).
+#[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4)]
+struct Qwen3Int4;
+
+/// Without `families`, every family `family_supports` allows for the spec, in `KernelFamily::ALL`'s order.
+#[test]
+fn families_default_to_those_the_spec_supports() {
+    use moeforge::codegen::family_supports;
+    let defaults = |spec: &MoeSpec| -> Vec<KernelFamily> {
+        KernelFamily::ALL.into_iter().filter(|&f| family_supports(f, spec)).collect()
+    };
+    let both = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
+    assert_eq!(Qwen3Moe::FAMILIES, &both);
+    assert_eq!(Olmoe::FAMILIES, &both, "per-channel fp8 has the grouped family");
+    assert_eq!(Fp8WeightsFp16Acts::FAMILIES, &both);
+    // 2880 one-byte elements are not whole 128-byte k-tiles.
+    assert_eq!(GptOss::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Qwen3Awq::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(GptOssMxfp4::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Bf16WeightsFp16Acts::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(SmallFp16::FAMILIES, &[KernelFamily::WarpDecode], "a declared list is kept");
+    for (spec, families) in [
+        (Qwen3Moe::SPEC, Qwen3Moe::FAMILIES),
+        (Olmoe::SPEC, Olmoe::FAMILIES),
+        (GptOss::SPEC, GptOss::FAMILIES),
+        (Qwen3Int4::SPEC, Qwen3Int4::FAMILIES),
+        (Qwen3Awq::SPEC, Qwen3Awq::FAMILIES),
+        (GptOssMxfp4::SPEC, GptOssMxfp4::FAMILIES),
+        (Qwen3Nvfp4Hw::SPEC, Qwen3Nvfp4Hw::FAMILIES),
+        (Bf16WeightsFp16Acts::SPEC, Bf16WeightsFp16Acts::FAMILIES),
+        (Fp8WeightsFp16Acts::SPEC, Fp8WeightsFp16Acts::FAMILIES),
+    ] {
+        assert_eq!(families, defaults(&spec), "{}", spec.id());
+    }
+    // Every default family is embedded for every declared arch: what `load` hands `with_sources`.
+    for &family in Qwen3Moe::FAMILIES {
+        for &arch in Qwen3Moe::ARCHS {
+            let k = Qwen3Moe::kernel_source(family, arch).unwrap();
+            assert_eq!(k.grouped_tiles.is_some(), family == KernelFamily::GroupedGemm);
+            assert_eq!(k.decode_tiles.is_some(), family == KernelFamily::WarpDecode);
+        }
+    }
+    assert!(Qwen3Int4::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).is_none());
+    assert!(Qwen3Int4::SOURCES.iter().all(|s| s.0 == KernelFamily::WarpDecode));
+}
+
+/// The grouped family renders per arch (wgmma on sm_90a, mma.sync on sm_100a and sm_120a): each
+/// arch's row holds its own text, not a neighbour's.
+#[test]
+fn grouped_sources_differ_per_arch() {
+    let text = |arch| Qwen3Moe::SOURCES.iter().find(|s| s.0 == KernelFamily::GroupedGemm && s.1 == arch).unwrap().3;
+    assert_ne!(text(Arch::Sm90a), text(Arch::Sm100a));
+    assert_ne!(text(Arch::Sm90a), text(Arch::Sm120a));
+    for arch in Arch::ALL {
+        assert!(text(arch) == render(&Qwen3Moe::SPEC, KernelFamily::GroupedGemm, arch).unwrap().source, "{arch}");
+    }
+    // Warp decode renders one text for every arch.
+    let decode: Vec<&str> = Qwen3Moe::SOURCES.iter().filter(|s| s.0 == KernelFamily::WarpDecode).map(|s| s.3).collect();
+    assert_eq!(decode.len(), 3);
+    assert!(decode.iter().all(|t| *t == decode[0]));
 }
 
 #[test]
@@ -115,6 +188,9 @@ fn macro_sources_equal_runtime_render() {
     check(&GptOssMxfp4::SPEC, GptOssMxfp4::SOURCES, GptOssMxfp4::kernel_source);
     check(&Qwen3Nvfp4Hw::SPEC, Qwen3Nvfp4Hw::SOURCES, Qwen3Nvfp4Hw::kernel_source);
     check(&Qwen3Awq::SPEC, Qwen3Awq::SOURCES, Qwen3Awq::kernel_source);
+    check(&Qwen3Int4::SPEC, Qwen3Int4::SOURCES, Qwen3Int4::kernel_source);
+    check(&Bf16WeightsFp16Acts::SPEC, Bf16WeightsFp16Acts::SOURCES, Bf16WeightsFp16Acts::kernel_source);
+    check(&Fp8WeightsFp16Acts::SPEC, Fp8WeightsFp16Acts::SOURCES, Fp8WeightsFp16Acts::kernel_source);
     assert!(Qwen3Nvfp4Hw::SOURCES.iter().all(|s| s.3.contains("cvt.rn.f16x2.e2m1x2")));
     assert!(Qwen3Awq::SOURCES.iter().all(|s| s.3.contains("w_lut") && s.2.ends_with("_lut")));
 }
