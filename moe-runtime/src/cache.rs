@@ -1,6 +1,11 @@
 //! The on-disk kernel cache: one file per key, `<key>.cubin`, written to a temporary file and
 //! renamed into place (so readers never see a partial entry), checked against a blake3 digest on
 //! load. A corrupted or truncated entry is reported, removed and rebuilt.
+//!
+//! How a rebuild is reported (docs/cache.md): one line on stderr, whether or not the program set up
+//! logging (`moeforge: kernel cache entry <key> at <path> is corrupt (<why>); recompiling it`), a
+//! `tracing` warning with the same fields, [`Outcome::Rebuilt`] from
+//! [`DiskCache::get_or_compile`], and the `rebuilt` count of [`DiskCache::counts`].
 
 use crate::error::{Result, RuntimeError};
 use crate::jit::{cache_key, compile, CompileOptions};
@@ -8,6 +13,7 @@ use dashmap::DashMap;
 use moe_codegen::KernelSource;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 const MAGIC: &[u8; 8] = b"MOEFCUB1";
@@ -15,7 +21,7 @@ const HEADER: usize = 8 + 8 + 32;
 
 /// The cache directory: `$MOEFORGE_CACHE_DIR`, else `<XDG cache dir>/moeforge`.
 pub fn default_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("MOEFORGE_CACHE_DIR") {
+    if let Some(d) = std::env::var_os("MOEFORGE_CACHE_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
     dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("moeforge")
@@ -30,9 +36,26 @@ pub enum Outcome {
     Rebuilt,
 }
 
+/// How many lookups of one [`DiskCache`] (and its clones) ended each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub hits: u64,
+    pub misses: u64,
+    /// Corrupt or truncated entries found, removed and compiled again.
+    pub rebuilt: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    rebuilt: AtomicU64,
+}
+
 #[derive(Debug, Clone)]
 pub struct DiskCache {
     dir: PathBuf,
+    counters: Arc<Counters>,
 }
 
 /// One entry as `moe-jit cache list` shows it.
@@ -41,6 +64,8 @@ pub struct Entry {
     pub key: String,
     pub bytes: u64,
     pub valid: bool,
+    /// Why the entry fails its check (`None` when valid).
+    pub problem: Option<String>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
@@ -53,7 +78,7 @@ static KEY_LOCKS: LazyLock<DashMap<String, Arc<Mutex<()>>>> = LazyLock::new(Dash
 
 impl DiskCache {
     pub fn new(dir: impl Into<PathBuf>) -> DiskCache {
-        DiskCache { dir: dir.into() }
+        DiskCache { dir: dir.into(), counters: Arc::default() }
     }
     pub fn open_default() -> DiskCache {
         DiskCache::new(default_dir())
@@ -65,7 +90,17 @@ impl DiskCache {
         self.dir.join(format!("{key}.cubin"))
     }
 
-    /// The CUBIN for `src` under `opts`: from disk, or compiled and stored.
+    /// Hits, misses and rebuilt entries of this cache's lookups so far.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            hits: self.counters.hits.load(Ordering::Relaxed),
+            misses: self.counters.misses.load(Ordering::Relaxed),
+            rebuilt: self.counters.rebuilt.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The CUBIN for `src` under `opts`: from disk, or compiled and stored. A corrupt entry is
+    /// removed, compiled again and reported on stderr (see the module docs).
     pub fn get_or_compile(&self, src: &KernelSource, opts: &CompileOptions) -> Result<(Vec<u8>, Outcome)> {
         let key = cache_key(src, opts);
         let lock = KEY_LOCKS.entry(key.clone()).or_default().clone();
@@ -73,10 +108,19 @@ impl DiskCache {
         let path = self.path_of(&key);
         let mut outcome = Outcome::Miss;
         match self.read(&key) {
-            Ok(Some(bin)) => return Ok((bin, Outcome::Hit)),
+            Ok(Some(bin)) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok((bin, Outcome::Hit));
+            }
             Ok(None) => {}
             Err(why) => {
-                tracing::warn!(path = %path.display(), %why, "corrupted kernel cache entry; recompiling");
+                tracing::warn!(key, path = %path.display(), %why, "corrupted kernel cache entry; recompiling");
+                eprintln!(
+                    "moeforge: kernel cache entry {key} at {} is corrupt ({why}); recompiling `{}` for {}",
+                    path.display(),
+                    src.name,
+                    opts.arch
+                );
                 let _ = std::fs::remove_file(&path);
                 outcome = Outcome::Rebuilt;
             }
@@ -84,7 +128,35 @@ impl DiskCache {
         let compiled = compile(src, opts)?;
         tracing::debug!(name = %src.name, key, "compiled");
         self.write(&key, &compiled.cubin)?;
+        let counter = if outcome == Outcome::Rebuilt { &self.counters.rebuilt } else { &self.counters.misses };
+        counter.fetch_add(1, Ordering::Relaxed);
         Ok((compiled.cubin, outcome))
+    }
+
+    /// [`get_or_compile`](Self::get_or_compile) for each item on `jobs` threads (each takes the
+    /// next item as it finishes one); results in the order of `items`.
+    pub fn get_or_compile_all(
+        &self,
+        items: &[(KernelSource, CompileOptions)],
+        jobs: usize,
+    ) -> Vec<Result<(Vec<u8>, Outcome)>> {
+        type Slot = Mutex<Option<Result<(Vec<u8>, Outcome)>>>;
+        let slots: Vec<Slot> = items.iter().map(|_| Mutex::new(None)).collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for _ in 0..jobs.clamp(1, items.len().max(1)) {
+                sc.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((src, opts)) = items.get(i) else { break };
+                    let r = self.get_or_compile(src, opts);
+                    *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every item was compiled"))
+            .collect()
     }
 
     /// `Ok(None)`: no entry. `Err(why)`: an entry that fails its check.
@@ -113,6 +185,7 @@ impl DiskCache {
         Ok(())
     }
 
+    /// Every entry, each read whole and checked against its digest, sorted by key.
     pub fn list(&self) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
         let rd = match std::fs::read_dir(&self.dir) {
@@ -124,11 +197,26 @@ impl DiskCache {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(key) = name.strip_suffix(".cubin") else { continue };
             let bytes = e.metadata().map(|m| m.len()).unwrap_or(0);
-            let valid = matches!(self.read(key), Ok(Some(_)));
-            out.push(Entry { key: key.to_string(), bytes, valid });
+            let problem = self.read(key).err();
+            out.push(Entry { key: key.to_string(), bytes, valid: problem.is_none(), problem });
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
+    }
+
+    /// Remove the entries that fail their check, and only those; returns them.
+    pub fn prune_corrupt(&self) -> Result<Vec<Entry>> {
+        let bad: Vec<Entry> = self.list()?.into_iter().filter(|e| !e.valid).collect();
+        for e in &bad {
+            let path = self.path_of(&e.key);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                // Rebuilt and removed by a process that found it first.
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(io_err(&path)(err)),
+            }
+        }
+        Ok(bad)
     }
 
     /// Remove every entry (and stray temporary files); returns how many files went.

@@ -1,10 +1,14 @@
 //! NVRTC: rendered source -> CUBIN for one arch, with the program log kept and compile errors
-//! turned into a typed error that quotes the offending source lines.
+//! turned into a typed error that quotes the offending source lines; the kernels a CUBIN defines
+//! (read from the binary, so that a cached one can be checked without NVRTC's log); and the set of
+//! modules every check compiles ([`reference_variants`]).
 
 use crate::error::{Result, RuntimeError};
 use crate::toolkit::{toolkit, Toolkit};
 use cudarc::nvrtc::{result as nvrtc, sys};
-use moe_codegen::{Arch, KernelSource};
+use moe_codegen::{
+    dequant_variants, variants, Arch, GroupLimited, KernelFamily, KernelSource, MoeSpec, Router, REFERENCE_GEOMETRIES,
+};
 use std::ffi::CString;
 
 /// Everything that changes the binary, and therefore the cache key.
@@ -126,6 +130,84 @@ pub fn resource_report(log: &str) -> Vec<(String, u32, u32, u32)> {
         }
     }
     out
+}
+
+/// The kernel modules every NVRTC check compiles, for each arch: `moe-jit check`'s default and
+/// the `every_variant_compiles_for_every_arch` test, one set so that one run compiles each once
+/// (through the disk cache). As (reference geometry, spec, family), in a stable order:
+/// - on every reference geometry, every (spec, family) [`variants`] accepts: each weight format
+///   the geometry takes, with its default dequant variant, in each family that renders it;
+/// - on Qwen3-30B-A3B the decode family in every dequant variant of every format instead of the
+///   defaults ([`dequant_variants`]; a spec naming its arch's default dequant renders the same
+///   source as one naming none, so the defaults are among them);
+/// - one grouped module with the group-limited (DeepSeek-V3) router, which lives in that module.
+pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
+    let mut out = Vec::new();
+    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
+        if geo == "qwen3-30b-a3b" {
+            out.extend(dequant_variants(h, i, e, k).into_iter().map(|(s, f)| (geo, s, f)));
+            out.extend(
+                variants(h, i, e, k)
+                    .into_iter()
+                    .filter(|(_, f)| *f != KernelFamily::WarpDecode)
+                    .map(|(s, f)| (geo, s, f)),
+            );
+        } else {
+            out.extend(variants(h, i, e, k).into_iter().map(|(s, f)| (geo, s, f)));
+        }
+    }
+    let grouped_router = MoeSpec::builder(2048, 768, 128, 8)
+        .build()
+        .and_then(|s| s.with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5))))
+        .expect("a valid spec");
+    out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::GroupedGemm));
+    out
+}
+
+/// The kernels a CUBIN defines: the ELF symbols of type FUNC marked as CUDA entry points
+/// (`STO_CUDA_ENTRY` in `st_other`), sorted. `Err` when the bytes are no 64-bit little-endian ELF
+/// image with a symbol table.
+pub fn cubin_entry_points(cubin: &[u8]) -> std::result::Result<Vec<String>, String> {
+    const STO_CUDA_ENTRY: u8 = 0x10;
+    const SHT_SYMTAB: u32 = 2;
+    const STT_FUNC: u8 = 2;
+    let bytes = |at: usize, n: usize| cubin.get(at..at + n).ok_or_else(|| format!("ELF image cut short at {at}"));
+    let u16_at = |at| bytes(at, 2).map(|b| u16::from_le_bytes(b.try_into().expect("2 bytes")) as usize);
+    let u32_at = |at| bytes(at, 4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    let u64_at = |at| bytes(at, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+    if !cubin.starts_with(b"\x7fELF\x02\x01") {
+        return Err("not a 64-bit little-endian ELF image".into());
+    }
+    let (shoff, shentsize, shnum) = (u64_at(0x28)?, u16_at(0x3a)?, u16_at(0x3c)?);
+    let section = |i: usize| -> std::result::Result<(u32, usize, usize, usize, usize), String> {
+        let at = shoff + i * shentsize;
+        // (type, offset, size, link, entry size)
+        Ok((u32_at(at + 4)?, u64_at(at + 24)?, u64_at(at + 32)?, u32_at(at + 40)? as usize, u64_at(at + 56)?))
+    };
+    let mut names = Vec::new();
+    let mut found_symtab = false;
+    for i in 0..shnum {
+        let (kind, off, size, link, entsize) = section(i)?;
+        if kind != SHT_SYMTAB {
+            continue;
+        }
+        found_symtab = true;
+        let (_, str_off, str_size, _, _) = section(link)?;
+        let strtab = bytes(str_off, str_size)?;
+        for s in (0..size / entsize.max(1)).map(|j| off + j * entsize) {
+            let (name, info, other) = (u32_at(s)? as usize, bytes(s + 4, 1)?[0], bytes(s + 5, 1)?[0]);
+            if info & 0xf == STT_FUNC && other & STO_CUDA_ENTRY != 0 {
+                let tail = strtab.get(name..).ok_or("symbol name outside the string table")?;
+                let end = tail.iter().position(|&c| c == 0).ok_or("unterminated symbol name")?;
+                names.push(String::from_utf8_lossy(&tail[..end]).into_owned());
+            }
+        }
+    }
+    if !found_symtab {
+        return Err("no symbol table".into());
+    }
+    names.sort();
+    Ok(names)
 }
 
 #[cfg(test)]

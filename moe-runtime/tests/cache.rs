@@ -1,8 +1,9 @@
-//! The JIT and its disk cache, without a GPU: hits, misses, corrupted and truncated entries, and
-//! two threads and two processes warming the same kernel at once.
+//! The JIT and its disk cache, without a GPU: hits, misses, corrupted and truncated entries (rebuilt,
+//! counted, and reported on stderr to a program that set up no logging), and two threads and two
+//! processes warming the same kernel at once.
 
 use moe_codegen::{render, Arch, KernelFamily, KernelSource, MoeSpec};
-use moe_runtime::cache::{DiskCache, Outcome};
+use moe_runtime::cache::{Counts, DiskCache, Outcome};
 use moe_runtime::toolkit::toolkit;
 use moe_runtime::{cache_key, compile, CompileOptions, RuntimeError};
 use std::process::Command;
@@ -23,6 +24,7 @@ fn miss_then_hit_returns_the_same_cubin() {
     let (a, first) = cache.get_or_compile(&small_source(), &opts()).unwrap();
     let (b, second) = cache.get_or_compile(&small_source(), &opts()).unwrap();
     assert_eq!((first, second), (Outcome::Miss, Outcome::Hit));
+    assert_eq!(cache.counts(), Counts { hits: 1, misses: 1, rebuilt: 0 });
     assert_eq!(a, b);
     assert!(a.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
     let entries = cache.list().unwrap();
@@ -76,6 +78,7 @@ fn corrupted_and_truncated_entries_are_rebuilt() {
         assert_eq!(bin, good, "{what}");
         assert!(cache.list().unwrap()[0].valid);
     }
+    assert_eq!(cache.counts(), Counts { hits: 0, misses: 1, rebuilt: 3 });
     assert_eq!(cache.clear().unwrap(), 1);
     assert!(cache.list().unwrap().is_empty());
 }
@@ -126,6 +129,42 @@ fn two_processes_warming_one_kernel_both_succeed() {
     assert_eq!(entries.len(), 1, "one entry, no stray temporary files: {:?}", std::fs::read_dir(dir.path()));
     assert!(entries[0].valid);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+/// Child half of the rebuild-report test: looks the kernel up in the folder the parent damaged,
+/// in a process with no `tracing` subscriber.
+#[test]
+#[ignore = "run by a_rebuild_is_reported_on_stderr_without_a_subscriber as a child process"]
+fn rebuild_child_process() {
+    let dir = std::env::var("MOEFORGE_TEST_REBUILD_CHILD").expect("set by the parent test");
+    let cache = DiskCache::new(dir);
+    let (_, outcome) = cache.get_or_compile(&small_source(), &opts()).unwrap();
+    assert_eq!(outcome, Outcome::Rebuilt);
+    assert_eq!(cache.counts().rebuilt, 1);
+}
+
+#[test]
+fn a_rebuild_is_reported_on_stderr_without_a_subscriber() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = cache_key(&small_source(), &opts());
+    let cache = DiskCache::new(dir.path());
+    // A truncated entry under the kernel's key: no NVRTC needed to make it.
+    cache.write(&key, &[7; 4096]).unwrap();
+    let path = cache.path_of(&key);
+    let data = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &data[..1000]).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "rebuild_child_process", "--ignored", "--quiet", "--nocapture"])
+        .env("MOEFORGE_TEST_REBUILD_CHILD", dir.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the child failed: {stderr}");
+    let want = format!("moeforge: kernel cache entry {key} at {} is corrupt (truncated", path.display());
+    assert!(stderr.contains(&want), "expected `{want}` on stderr, got: {stderr}");
+    assert!(stderr.contains("recompiling `warp_decode_h256_i128_e8_k2_bf16_bf16_silu` for sm_90a"), "{stderr}");
+    assert!(cache.list().unwrap()[0].valid);
 }
 
 #[test]

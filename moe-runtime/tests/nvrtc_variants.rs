@@ -1,50 +1,108 @@
-//! Every supported (family, format) variant of every reference geometry compiles with NVRTC
-//! for sm_90a, sm_100a and sm_120a: no GPU needed.
+//! Every kernel module of the reference set ([`reference_variants`]: every supported (family,
+//! format) of every reference geometry, every dequant variant on Qwen3-30B-A3B) compiles with
+//! NVRTC for sm_90a, sm_100a and sm_120a: no GPU needed. `moe-jit check` compiles the same set by
+//! default; both go through the disk cache (`$MOEFORGE_CACHE_DIR`), so a run that does both
+//! compiles each module once.
 
-use moe_codegen::{render, variants, Arch, REFERENCE_GEOMETRIES};
-use moe_runtime::jit::resource_report;
+use moe_codegen::{render, variants, Arch, CodegenError, KernelSource, REFERENCE_GEOMETRIES};
+use moe_runtime::cache::{DiskCache, Outcome};
+use moe_runtime::jit::{cubin_entry_points, reference_variants};
 use moe_runtime::toolkit::toolkit;
-use moe_runtime::{compile, CompileOptions};
+use moe_runtime::CompileOptions;
+use std::collections::{HashMap, HashSet};
+
+fn jobs() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Every module of the reference set for every arch, rendered; those an arch lacks are left out
+/// (their count second).
+fn reference_sources() -> (Vec<KernelSource>, usize) {
+    let mut out = Vec::new();
+    let mut unavailable = 0;
+    for (_, spec, family) in reference_variants() {
+        for arch in Arch::ALL {
+            match render(&spec, family, arch) {
+                Ok(src) => out.push(src),
+                Err(CodegenError::DequantUnavailable { .. }) => unavailable += 1,
+                Err(e) => panic!("{} {family} {arch}: {e}", spec.id()),
+            }
+        }
+    }
+    (out, unavailable)
+}
+
+/// The set holds every variant the old per-geometry lists held, each module once.
+#[test]
+fn reference_set_covers_every_variant_of_every_geometry_once() {
+    let (sources, _) = reference_sources();
+    let mut by_text: HashMap<(Arch, &str), &str> = HashMap::new();
+    for s in &sources {
+        if let Some(other) = by_text.insert((s.arch, s.source.as_str()), &s.name) {
+            panic!("{} and {other} render the same source for {}: it would be compiled twice", s.name, s.arch);
+        }
+    }
+    let names: HashSet<(Arch, &str)> = sources.iter().map(|s| (s.arch, s.name.as_str())).collect();
+    assert_eq!(names.len(), sources.len(), "two modules share a name");
+    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
+        for (spec, family) in variants(h, i, e, k) {
+            for arch in Arch::ALL {
+                let src = render(&spec, family, arch).unwrap();
+                assert!(
+                    by_text.contains_key(&(arch, src.source.as_str())),
+                    "{geo}: {} for {arch} is not in the reference set",
+                    src.name
+                );
+            }
+        }
+    }
+}
 
 #[test]
 fn every_variant_compiles_for_every_arch() {
     let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
-    let jobs: Vec<_> = REFERENCE_GEOMETRIES
-        .iter()
-        .flat_map(|&(_, h, i, e, k)| variants(h, i, e, k))
-        .flat_map(|(spec, fam)| Arch::ALL.map(|a| (spec, fam, a)))
+    let (sources, unavailable) = reference_sources();
+    let items: Vec<_> = sources
+        .into_iter()
+        .map(|s| {
+            let o = CompileOptions::for_arch(tk, s.arch);
+            (s, o)
+        })
         .collect();
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let failures: Vec<String> = std::thread::scope(|s| {
-        let chunks: Vec<_> = jobs.chunks(jobs.len().div_ceil(threads)).collect();
-        let hs: Vec<_> = chunks
-            .into_iter()
-            .map(|chunk| {
-                s.spawn(move || {
-                    let mut bad = Vec::new();
-                    for &(spec, fam, arch) in chunk {
-                        let src = render(&spec, fam, arch).unwrap();
-                        match compile(&src, &CompileOptions::for_arch(tk, arch)) {
-                            Ok(c) => {
-                                assert!(c.cubin.starts_with(b"\x7fELF"));
-                                // ptxas reports every entry point (registers and spills: `moe-jit check --resources`).
-                                let report = resource_report(&c.log);
-                                let mut names: Vec<_> = report.into_iter().map(|r| r.0).collect();
-                                let mut want = src.entry_points.clone();
-                                names.sort();
-                                want.sort();
-                                assert_eq!(names, want, "{}: {}", src.name, c.log);
-                            }
-                            Err(e) => bad.push(format!("{} {arch}: {e}", src.name)),
-                        }
-                    }
-                    bad
-                })
-            })
-            .collect();
-        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
-    });
-    assert!(failures.is_empty(), "{} of {} failed:\n{}", failures.len(), jobs.len(), failures.join("\n"));
+    let cache = DiskCache::open_default();
+    let t0 = std::time::Instant::now();
+    let results = cache.get_or_compile_all(&items, jobs());
+    let mut failures = Vec::new();
+    for ((src, _), r) in items.iter().zip(&results) {
+        match r {
+            Ok((cubin, _)) => {
+                // Every entry point the host launches is a kernel of the binary.
+                let mut want = src.entry_points.clone();
+                want.sort();
+                match cubin_entry_points(cubin) {
+                    Ok(got) if got == want => {}
+                    got => failures.push(format!("{} {}: kernels {got:?}, expected {want:?}", src.name, src.arch)),
+                }
+            }
+            Err(e) => failures.push(format!("{} {}: {e}", src.name, src.arch)),
+        }
+    }
+    let hits = results.iter().filter(|r| matches!(r, Ok((_, Outcome::Hit)))).count();
+    eprintln!(
+        "{} modules ({} from the cache in {}), {unavailable} unavailable on their arch, {:.1} s on {} threads",
+        items.len(),
+        hits,
+        cache.dir().display(),
+        t0.elapsed().as_secs_f64(),
+        jobs()
+    );
+    assert!(failures.is_empty(), "{} of {} failed:\n{}", failures.len(), items.len(), failures.join("\n"));
+}
+
+#[test]
+fn entry_points_of_what_is_no_cubin_are_an_error() {
+    assert!(cubin_entry_points(b"not an ELF image").is_err());
+    assert!(cubin_entry_points(b"\x7fELF\x02\x01\x01").is_err(), "a header cut short");
 }
 
 /// The warp-specialised grouped GEMMs' options that are not defaults (so not among the variants
@@ -54,7 +112,7 @@ fn every_variant_compiles_for_every_arch() {
 fn warp_specialised_options_compile_for_sm90a() {
     use moe_codegen::{grouped_support, render_grouped, GemmTiles, MoeSpec, WeightFormat};
     let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
-    let mut compiled = 0;
+    let mut items = Vec::new();
     for &(_, h, i, e, k) in &REFERENCE_GEOMETRIES {
         for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Fp8E4m3B128] {
             let Ok(spec) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
@@ -64,12 +122,14 @@ fn warp_specialised_options_compile_for_sm90a() {
             let defaults = GemmTiles::for_spec(&spec, Arch::Sm90a);
             for tiles in [GemmTiles { cluster: 2, ..defaults }, GemmTiles { lag: 2, ..defaults }] {
                 let Ok(src) = render_grouped(&spec, Arch::Sm90a, tiles) else { continue };
-                let c = compile(&src, &CompileOptions::for_arch(tk, Arch::Sm90a))
-                    .unwrap_or_else(|e| panic!("{}: {e}", src.name));
-                assert!(c.cubin.starts_with(b"\x7fELF"));
-                compiled += 1;
+                items.push((src, CompileOptions::for_arch(tk, Arch::Sm90a)));
             }
         }
     }
-    assert!(compiled >= 12, "only {compiled} variants rendered");
+    assert!(items.len() >= 12, "only {} variants rendered", items.len());
+    let results = DiskCache::open_default().get_or_compile_all(&items, jobs());
+    for ((src, _), r) in items.iter().zip(results) {
+        let (cubin, _) = r.unwrap_or_else(|e| panic!("{}: {e}", src.name));
+        assert!(cubin.starts_with(b"\x7fELF"));
+    }
 }

@@ -2,52 +2,89 @@
 
 use clap::{Parser, Subcommand};
 use moe_codegen::{
-    dequant_variants, render, render_grouped, variants, Arch, CodegenError, GemmTiles, KernelFamily, MoeSpec,
-    WeightFormat, REFERENCE_GEOMETRIES,
+    family_supports, render, render_grouped, ActDtype, Activation, Arch, CodegenError, DequantVariant, GemmTiles,
+    KernelFamily, MoeSpec, SpecError, WeightFormat,
 };
-use moe_runtime::jit::resource_report;
+use moe_runtime::cache::{default_dir, Outcome};
+use moe_runtime::jit::{cubin_entry_points, reference_variants, resource_report};
 use moe_runtime::{compile, toolkit::toolkit, CompileOptions, DiskCache};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "moe-jit", about = "Render, compile and cache moeforge kernels")]
 struct Cli {
+    /// The kernel cache folder (default: $MOEFORGE_CACHE_DIR, else moeforge/ in the XDG cache dir).
+    #[arg(long, global = true)]
+    cache_dir: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Render and compile with NVRTC, for the given archs: every weight format with every dequant
-    /// variant on the Qwen3-30B-A3B geometry, and bf16, fp16, fp8_e4m3 and mxfp4 (default
-    /// variants) on the other reference geometries. Variants an arch lacks are listed as skipped.
+    /// Render and compile with NVRTC, through the kernel cache, for the given archs. By default
+    /// the reference set (the one the tests compile): every weight format each reference geometry
+    /// takes, in each family, with every dequant variant on Qwen3-30B-A3B, and the group-limited
+    /// router. With --hidden, --intermediate, --experts and --top-k: your spec instead, in every
+    /// family and dequant variant it supports. Variants an arch lacks are listed as skipped.
+    /// Exits non-zero when a compile fails, a spec is invalid, or nothing is selected.
     Check {
         #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_100a,sm_120a")]
         arch: Vec<Arch>,
-        /// Only these formats (default: all).
+        /// Only these formats (default: all). With a spec of your own: its formats (default: bf16).
         #[arg(long, value_delimiter = ',')]
         format: Vec<WeightFormat>,
         /// Only these kernel families (warp_decode, grouped_gemm; default: both).
         #[arg(long, value_delimiter = ',')]
         family: Vec<KernelFamily>,
-        /// Every format the other geometries accept too, not only bf16, fp16, fp8_e4m3, mxfp4.
+        /// Your spec's hidden size (with --intermediate, --experts, --top-k: all four or none).
         #[arg(long)]
+        hidden: Option<u32>,
+        /// Your spec's intermediate (expert FFN) size.
+        #[arg(long)]
+        intermediate: Option<u32>,
+        /// Your spec's expert count.
+        #[arg(long)]
+        experts: Option<u32>,
+        /// Your spec's experts per token.
+        #[arg(long)]
+        top_k: Option<u32>,
+        /// Your spec's activation dtype (bf16, fp16; default: the format's).
+        #[arg(long)]
+        act_dtype: Option<ActDtype>,
+        /// Your spec's activation (silu, gelu_tanh; default: silu).
+        #[arg(long)]
+        activation: Option<Activation>,
+        /// Your spec's dequant variant (lut, bits, hardware; default: every one the format has).
+        #[arg(long)]
+        dequant: Option<DequantVariant>,
+        /// (The default now: the reference set holds every format on every geometry.)
+        #[arg(long, hide = true)]
         all_geometries: bool,
         /// Parallel NVRTC compiles (default: one per core).
         #[arg(long)]
         jobs: Option<usize>,
-        /// Print the ptxas register / spill report of every entry point.
+        /// Compile every module even where the cache holds it (and leave the cache as it is).
+        #[arg(long)]
+        no_cache: bool,
+        /// Print the modules the selection renders, per arch, and compile nothing.
+        #[arg(long)]
+        list: bool,
+        /// Print the ptxas register / spill report of every entry point (compiles every module:
+        /// the cache keeps no log).
         #[arg(long)]
         resources: bool,
         /// Write each CUBIN and its source into this folder (for nvdisasm / cuobjdump).
         #[arg(long)]
-        dump: Option<std::path::PathBuf>,
+        dump: Option<PathBuf>,
         /// Grouped-GEMM tiles over each spec's defaults, as the prefill bench's `--tiles`:
         /// `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `256,256,4,1,1,1,0,16`).
         #[arg(long)]
         tiles: Option<String>,
     },
-    /// The on-disk kernel cache ($MOEFORGE_CACHE_DIR, else the XDG cache dir).
+    /// The on-disk kernel cache (--cache-dir, else $MOEFORGE_CACHE_DIR, else the XDG cache dir).
+    /// list, stats and verify exit non-zero when an entry is corrupt.
     Cache {
         #[command(subcommand)]
         op: CacheOp,
@@ -58,16 +95,52 @@ enum Cmd {
 enum CacheOp {
     /// One line per entry: key, size, whether it passes its checksum.
     List,
-    /// Entry count and total size.
+    /// Entry count, total size and corrupt entries.
     Stats,
+    /// Check every entry against its checksum; name each corrupt one and why.
+    Verify,
+    /// Remove the entries that fail their checksum, and only those.
+    PruneCorrupt,
     /// Remove every entry.
     Clear,
 }
 
+/// A spec given on the command line, field by field.
+struct SpecArgs {
+    sizes: [Option<u32>; 4],
+    formats: Vec<WeightFormat>,
+    act_dtype: Option<ActDtype>,
+    activation: Option<Activation>,
+    dequant: Option<DequantVariant>,
+}
+
+/// Exit status of a command used wrongly (bad flags, an invalid spec, an empty selection).
+const USAGE: u8 = 2;
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
-    match Cli::parse().cmd {
-        Cmd::Check { arch, format, family, all_geometries, jobs, resources, dump, tiles } => {
+    let cli = Cli::parse();
+    let cache = DiskCache::new(cli.cache_dir.unwrap_or_else(default_dir));
+    match cli.cmd {
+        Cmd::Check {
+            arch,
+            format,
+            family,
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+            act_dtype,
+            activation,
+            dequant,
+            all_geometries: _,
+            jobs,
+            no_cache,
+            list: list_only,
+            resources,
+            dump,
+            tiles,
+        } => {
             let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
             let shape_ok = |t: &str| {
                 let any = MoeSpec::builder(2048, 768, 128, 8).build().expect("a valid spec");
@@ -75,63 +148,117 @@ fn main() -> ExitCode {
             };
             if let Some(t) = tiles.as_deref().filter(|t| !shape_ok(t)) {
                 eprintln!("--tiles {t}: expected bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]");
-                return ExitCode::FAILURE;
+                return ExitCode::from(USAGE);
             }
-            let opts = CheckOptions { jobs: jobs.max(1), resources, dump: dump.as_deref(), tiles: tiles.as_deref() };
-            let mut list = check_list(&format, all_geometries);
+            let spec = SpecArgs {
+                sizes: [hidden, intermediate, experts, top_k],
+                formats: format,
+                act_dtype,
+                activation,
+                dequant,
+            };
+            let mut list = match check_list(&spec) {
+                Ok(list) => list,
+                Err(msg) => {
+                    eprintln!("{msg}");
+                    return ExitCode::from(USAGE);
+                }
+            };
             list.retain(|(_, _, f)| family.is_empty() || family.contains(f));
+            if list.is_empty() {
+                eprintln!(
+                    "moe-jit check: the filters select no kernel module (formats {:?}, families {:?}): nothing to compile",
+                    spec.formats.iter().map(|f| f.name()).collect::<Vec<_>>(),
+                    family.iter().map(|f| f.name()).collect::<Vec<_>>()
+                );
+                return ExitCode::from(USAGE);
+            }
+            if list_only {
+                return print_selection(&arch, &list, tiles.as_deref());
+            }
+            let cache = (!no_cache && !resources).then_some(&cache);
+            let opts =
+                CheckOptions { jobs: jobs.max(1), resources, dump: dump.as_deref(), tiles: tiles.as_deref(), cache };
             check(&arch, &list, &opts)
         }
-        Cmd::Cache { op } => cache(op),
+        Cmd::Cache { op } => cache_op(&cache, op),
     }
 }
 
-/// Formats `check` compiles on the geometries other than Qwen3-30B-A3B (default variants): the
-/// 16-bit and fp8 paths as before quantized formats, and gpt-oss's MXFP4. The other formats differ
-/// from these only in the dequant include, which the Qwen3 geometry covers in every variant.
-const OTHER_GEOMETRY_FORMATS: [WeightFormat; 4] =
-    [WeightFormat::Bf16, WeightFormat::Fp16, WeightFormat::Fp8E4m3, WeightFormat::Mxfp4];
-
-/// What `check` renders: (geometry, spec, family) in a stable order.
-fn check_list(formats: &[WeightFormat], all_geometries: bool) -> Vec<(&'static str, MoeSpec, KernelFamily)> {
-    let keep = |s: &MoeSpec| formats.is_empty() || formats.contains(&s.weight_format());
+/// What `check` renders: (geometry, spec, family) in a stable order. The reference set (filtered
+/// by format) when no size is given, else the command line's spec in every family and dequant
+/// variant it supports. `Err`: a message for an incomplete or invalid spec.
+fn check_list(args: &SpecArgs) -> Result<Vec<(&'static str, MoeSpec, KernelFamily)>, String> {
+    const SIZES: [&str; 4] = ["--hidden", "--intermediate", "--experts", "--top-k"];
+    let given: Vec<u32> = args.sizes.iter().flatten().copied().collect();
+    if given.is_empty() {
+        if args.act_dtype.is_some() || args.activation.is_some() || args.dequant.is_some() {
+            return Err("--act-dtype, --activation and --dequant describe a spec of your own: give --hidden, \
+                        --intermediate, --experts and --top-k too"
+                .into());
+        }
+        let keep = |s: &MoeSpec| args.formats.is_empty() || args.formats.contains(&s.weight_format());
+        return Ok(reference_variants().into_iter().filter(|(_, s, _)| keep(s)).collect());
+    }
+    if given.len() < 4 {
+        let missing: Vec<&str> = SIZES.iter().zip(args.sizes).filter(|(_, v)| v.is_none()).map(|(n, _)| *n).collect();
+        return Err(format!("a spec needs all four sizes: {} missing", missing.join(", ")));
+    }
+    let [h, i, e, k] = [given[0], given[1], given[2], given[3]];
+    let formats = if args.formats.is_empty() { vec![WeightFormat::Bf16] } else { args.formats.clone() };
+    let invalid = |f: WeightFormat, err: SpecError| {
+        format!("invalid spec (hidden {h}, intermediate {i}, experts {e}, top_k {k}, format {f}): {err}")
+    };
     let mut out = Vec::new();
-    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
-        let specs = if geo == "qwen3-30b-a3b" {
-            let mut v = dequant_variants(h, i, e, k);
-            v.extend(variants(h, i, e, k).into_iter().filter(|(_, f)| *f == KernelFamily::GroupedGemm));
-            v
-        } else {
-            let mut v = variants(h, i, e, k);
-            v.retain(|(s, _)| all_geometries || OTHER_GEOMETRY_FORMATS.contains(&s.weight_format()));
-            v
-        };
-        out.extend(specs.into_iter().filter(|(s, _)| keep(s)).map(|(s, f)| (geo, s, f)));
+    for f in formats {
+        let mut b = MoeSpec::builder(h, i, e, k).weight_format(f);
+        if let Some(a) = args.activation {
+            b = b.activation(a);
+        }
+        if let Some(d) = args.act_dtype {
+            b = b.act_dtype(d);
+        }
+        let base = match args.dequant {
+            Some(d) => b.dequant(d).build(),
+            None => b.build(),
+        }
+        .map_err(|err| invalid(f, err))?;
+        match args.dequant {
+            Some(_) => out.push(("spec", base, KernelFamily::WarpDecode)),
+            // Every dequant variant the format has (a spec naming the arch's default renders the
+            // same source as `base`).
+            None => out.extend(
+                f.dequant_variants()
+                    .iter()
+                    .filter_map(|&d| b.dequant(d).build().ok())
+                    .map(|s| ("spec", s, KernelFamily::WarpDecode)),
+            ),
+        }
+        out.extend(
+            KernelFamily::ALL
+                .into_iter()
+                .filter(|&fam| fam != KernelFamily::WarpDecode && family_supports(fam, &base))
+                .map(|fam| ("spec", base, fam)),
+        );
     }
-    // The group-limited (DeepSeek-V3) router lives in the grouped module: one spec carries it.
-    let grouped_router = MoeSpec::builder(2048, 768, 128, 8)
-        .build()
-        .and_then(|s| s.with_router(moe_codegen::Router::GroupLimited(moe_codegen::GroupLimited::new(8, 4, true, 2.5))))
-        .expect("a valid spec");
-    if keep(&grouped_router) {
-        out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::GroupedGemm));
-    }
-    out
+    Ok(out)
 }
 
 /// One line of `check`'s output and whether it counts as compiled, failed or skipped.
-enum Outcome {
-    Ok(String),
+enum Line {
+    Ok { line: String, hit: bool },
     Skipped(String),
     Failed(String),
 }
 
-/// How `check` compiles: threads, what it reports and keeps, and grouped tiles to override.
+/// How `check` compiles: threads, what it reports and keeps, grouped tiles to override, and the
+/// cache it goes through (`None`: NVRTC for every module).
 struct CheckOptions<'a> {
     jobs: usize,
     resources: bool,
-    dump: Option<&'a std::path::Path>,
+    dump: Option<&'a Path>,
     tiles: Option<&'a str>,
+    cache: Option<&'a DiskCache>,
 }
 
 /// The kernel source `check` compiles: the family's default, or the grouped family with `tiles`
@@ -152,8 +279,37 @@ fn render_for_check(
     }
 }
 
+/// `check --list`: one line per module the selection renders (or an arch lacks), nothing compiled.
+fn print_selection(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], tiles: Option<&str>) -> ExitCode {
+    let (mut n, mut skipped, mut failed) = (0, 0, 0);
+    for &(geo, spec, family) in list {
+        for &arch in archs {
+            match render_for_check(&spec, family, arch, tiles) {
+                Ok(src) => {
+                    n += 1;
+                    println!("{geo:<14} {:<56} {arch}", src.name);
+                }
+                Err(e @ CodegenError::DequantUnavailable { .. }) => {
+                    skipped += 1;
+                    println!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id());
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id());
+                }
+            }
+        }
+    }
+    println!("{n} modules to compile, {skipped} unavailable on their arch, {failed} failed to render");
+    if failed > 0 || n == 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
 fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &CheckOptions) -> ExitCode {
-    let CheckOptions { jobs, resources, dump, tiles } = *opts;
+    let CheckOptions { jobs, resources, dump, tiles, cache } = *opts;
     let tk = match toolkit() {
         Ok(t) => t,
         Err(e) => {
@@ -162,6 +318,10 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
         }
     };
     println!("NVRTC {}.{}, headers in {}", tk.nvrtc_version.0, tk.nvrtc_version.1, tk.include.display());
+    match cache {
+        Some(c) => println!("kernel cache: {}", c.dir().display()),
+        None => println!("kernel cache: not used (--no-cache or --resources)"),
+    }
     let list: Vec<_> = list.iter().flat_map(|&(g, s, f)| archs.iter().map(move |&a| (g, s, f, a))).collect();
     if let Some(dir) = dump {
         if let Err(e) = std::fs::create_dir_all(dir) {
@@ -170,51 +330,76 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
         }
     }
     let t_all = std::time::Instant::now();
-    let one = |&(geo, spec, family, arch): &(&str, MoeSpec, KernelFamily, Arch)| -> Outcome {
+    let one = |&(geo, spec, family, arch): &(&str, MoeSpec, KernelFamily, Arch)| -> Line {
         let t0 = std::time::Instant::now();
         let src = match render_for_check(&spec, family, arch, tiles) {
             Ok(src) => src,
             Err(e @ CodegenError::DequantUnavailable { .. }) => {
-                return Outcome::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))
+                return Line::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))
             }
-            Err(e) => return Outcome::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id())),
+            Err(e) => return Line::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id())),
         };
-        match compile(&src, &CompileOptions::for_arch(tk, arch)) {
-            Ok(c) => {
-                let mut line = format!(
-                    "ok    {geo:<14} {:<56} {arch:<8} {:>7} B cubin  {:>5} ms",
-                    src.name,
-                    c.cubin.len(),
-                    t0.elapsed().as_millis()
-                );
-                if let Some(dir) = dump {
-                    let base = dir.join(format!("{}.{arch}", src.name));
-                    let written = std::fs::write(base.with_extension(format!("{arch}.cubin")), &c.cubin)
-                        .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cu")), &src.source));
-                    if let Err(e) = written {
-                        return Outcome::Failed(format!("FAIL  cannot write into {}: {e}", dir.display()));
-                    }
-                }
-                if resources {
-                    for (f, regs, spill, stack) in resource_report(&c.log) {
-                        line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
-                    }
-                    // ptxas warnings, e.g. wgmma serialized for lack of registers.
-                    for w in c.log.lines().filter(|l| l.contains("warning")) {
-                        line += &format!("\n        {w}");
-                    }
-                }
-                Outcome::Ok(line)
+        let copts = CompileOptions::for_arch(tk, arch);
+        let (cubin, log, how) = match cache {
+            Some(c) => match c.get_or_compile(&src, &copts) {
+                Ok((cubin, o)) => (cubin, None, o),
+                Err(err) => return Line::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{err}", src.name)),
+            },
+            None => match compile(&src, &copts) {
+                Ok(c) => (c.cubin, Some(c.log), Outcome::Miss),
+                Err(err) => return Line::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{err}", src.name)),
+            },
+        };
+        // Every entry point the host launches is in the binary (read from its ELF symbols, so a
+        // cached CUBIN is checked as well as a fresh one).
+        let mut want = src.entry_points.clone();
+        want.sort();
+        match cubin_entry_points(&cubin) {
+            Ok(got) if got == want => {}
+            Ok(got) => {
+                return Line::Failed(format!(
+                    "FAIL  {geo:<14} {} {arch}: the CUBIN defines kernels {got:?}, expected {want:?}",
+                    src.name
+                ))
             }
-            Err(err) => Outcome::Failed(format!("FAIL  {geo:<14} {} {family} {arch}\n{err}", src.name)),
+            Err(e) => return Line::Failed(format!("FAIL  {geo:<14} {} {arch}: not a CUBIN: {e}", src.name)),
         }
+        let how = match how {
+            Outcome::Hit => "cached",
+            Outcome::Miss => "nvrtc",
+            Outcome::Rebuilt => "REBUILT",
+        };
+        let mut line = format!(
+            "ok    {geo:<14} {:<56} {arch:<8} {:>7} B cubin  {how:<7} {:>6} ms",
+            src.name,
+            cubin.len(),
+            t0.elapsed().as_millis()
+        );
+        if let Some(dir) = dump {
+            let base = dir.join(format!("{}.{arch}", src.name));
+            let written = std::fs::write(base.with_extension(format!("{arch}.cubin")), &cubin)
+                .and_then(|_| std::fs::write(base.with_extension(format!("{arch}.cu")), &src.source));
+            if let Err(e) = written {
+                return Line::Failed(format!("FAIL  cannot write into {}: {e}", dir.display()));
+            }
+        }
+        if let (true, Some(log)) = (resources, log) {
+            for (f, regs, spill, stack) in resource_report(&log) {
+                line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
+            }
+            // ptxas warnings, e.g. wgmma serialized for lack of registers.
+            for w in log.lines().filter(|l| l.contains("warning")) {
+                line += &format!("\n        {w}");
+            }
+        }
+        Line::Ok { line, hit: how == "cached" }
     };
     // Compile on `jobs` threads; print in list order as results arrive.
-    let results: Vec<std::sync::Mutex<Option<Outcome>>> = list.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let results: Vec<std::sync::Mutex<Option<Line>>> = list.iter().map(|_| std::sync::Mutex::new(None)).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::Condvar::new();
     let lock = std::sync::Mutex::new(());
-    let (mut ok, mut failed, mut skipped) = (0, 0, 0);
+    let (mut ok, mut hits, mut failed, mut skipped) = (0, 0, 0, 0);
     std::thread::scope(|sc| {
         for _ in 0..jobs.min(list.len()) {
             sc.spawn(|| loop {
@@ -236,48 +421,86 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
             };
             drop(g);
             match r {
-                Outcome::Ok(l) => {
+                Line::Ok { line, hit } => {
                     ok += 1;
-                    println!("{l}");
+                    hits += usize::from(hit);
+                    println!("{line}");
                 }
-                Outcome::Skipped(l) => {
+                Line::Skipped(l) => {
                     skipped += 1;
                     println!("{l}");
                 }
-                Outcome::Failed(l) => {
+                Line::Failed(l) => {
                     failed += 1;
                     println!("{l}");
                 }
             }
         }
     });
-    println!("{skipped} skipped (the arch lacks the variant); {} s on {jobs} threads", t_all.elapsed().as_secs());
+    let rebuilt = cache.map_or(0, |c| c.counts().rebuilt);
+    println!(
+        "{skipped} skipped (the arch lacks the variant); {:.1} s on {jobs} threads; {hits} from the cache, {} compiled{}",
+        t_all.elapsed().as_secs_f64(),
+        ok - hits,
+        if rebuilt > 0 { format!(" ({rebuilt} corrupt cache entries rebuilt)") } else { String::new() }
+    );
     println!("{ok} variants compiled, {failed} failed");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
+    if failed > 0 {
         ExitCode::FAILURE
+    } else if ok == 0 {
+        eprintln!("moe-jit check: nothing compiled: every variant selected is unavailable on {archs:?}");
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }
 
-fn cache(op: CacheOp) -> ExitCode {
-    let c = DiskCache::open_default();
+fn cache_op(c: &DiskCache, op: CacheOp) -> ExitCode {
+    let hint = "remove them with `moe-jit cache prune-corrupt` (they are rebuilt when next needed)";
     let res = match op {
         CacheOp::List => c.list().map(|entries| {
             for e in &entries {
-                println!("{}  {:>9} B  {}", e.key, e.bytes, if e.valid { "ok" } else { "CORRUPT" });
+                let state = match &e.problem {
+                    None => "ok".to_string(),
+                    Some(why) => format!("CORRUPT: {why}"),
+                };
+                println!("{}  {:>9} B  {state}", e.key, e.bytes);
             }
             println!("{} entries in {}", entries.len(), c.dir().display());
+            entries.iter().filter(|e| !e.valid).count()
         }),
         CacheOp::Stats => c.list().map(|entries| {
             let bytes: u64 = entries.iter().map(|e| e.bytes).sum();
             let bad = entries.iter().filter(|e| !e.valid).count();
             println!("{}: {} entries, {} bytes, {} corrupt", c.dir().display(), entries.len(), bytes, bad);
+            bad
         }),
-        CacheOp::Clear => c.clear().map(|n| println!("removed {n} files from {}", c.dir().display())),
+        CacheOp::Verify => c.list().map(|entries| {
+            let bad: Vec<_> = entries.iter().filter(|e| !e.valid).collect();
+            for e in &bad {
+                println!("CORRUPT {}: {}", c.path_of(&e.key).display(), e.problem.as_deref().unwrap_or("?"));
+            }
+            println!("{} entries checked in {}, {} corrupt", entries.len(), c.dir().display(), bad.len());
+            bad.len()
+        }),
+        CacheOp::PruneCorrupt => c.prune_corrupt().map(|removed| {
+            for e in &removed {
+                println!("removed {} ({})", c.path_of(&e.key).display(), e.problem.as_deref().unwrap_or("?"));
+            }
+            println!("removed {} corrupt entries from {}", removed.len(), c.dir().display());
+            0
+        }),
+        CacheOp::Clear => c.clear().map(|n| {
+            println!("removed {n} files from {}", c.dir().display());
+            0
+        }),
     };
     match res {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(bad) => {
+            eprintln!("{bad} corrupt cache entries in {}: {hint}", c.dir().display());
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("{e}");
             ExitCode::FAILURE
