@@ -8,11 +8,12 @@
 
 pub mod cache;
 pub mod device;
+pub mod dispatch;
 pub mod error;
+pub mod families;
 pub mod jit;
 mod launch;
 pub mod layer;
-pub mod prefill;
 pub mod reference;
 pub mod testing;
 pub mod timing;
@@ -24,6 +25,8 @@ pub use cache::DiskCache;
 pub use cudarc;
 pub use device::Device;
 pub use error::{Result, RuntimeError};
+pub use families::decode::DEFAULT_MAX_TOKEN_TILE;
+pub use families::grouped::Alignment;
 pub use jit::{cache_key, compile, CompileOptions, Compiled};
 pub use layer::{validate_ids, ActElem, MoeLayer, DEFAULT_PREFILL_THRESHOLD};
 pub use weights::HostWeights;

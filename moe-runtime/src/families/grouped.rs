@@ -8,6 +8,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
+use crate::families::StepPtrs;
 use crate::launch::{cooperative_attrs, launch, launch_attrs, launch_with, max_active_clusters, ptr};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
@@ -15,24 +16,6 @@ use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMW
 use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
-
-/// Device pointers the grouped path reads for one step.
-#[derive(Clone, Copy)]
-pub(crate) struct StepPtrs {
-    pub x: u64,
-    /// Router logits `[M, E]` and bias (0: `ids` / `weights` are given); moe_prepare then routes
-    /// into `ids` / `weights`, which must be the scratch's (`GroupedPath::routing_ptrs`).
-    pub logits: u64,
-    pub bias: u64,
-    pub ids: u64,
-    pub weights: u64,
-    pub y: u64,
-    pub w13: u64,
-    pub w13_scales: u64,
-    pub w2: u64,
-    pub w2_scales: u64,
-    pub errors: u64,
-}
 
 /// A step's alignment as the device left it (buffers at their reserved sizes).
 #[derive(Debug, Clone)]

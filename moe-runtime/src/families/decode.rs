@@ -1,0 +1,326 @@
+//! The warp-decode family: output-centric kernels for steps of a few tokens. `gate_up` gives a
+//! warp one intermediate neuron of one routed expert (SiLU fused), `down` one (hidden output,
+//! token) with the routing weights folded in; routing is grouped by expert in shared memory
+//! inside `gate_up`. Steps larger than one launch's routing tables run as several launches.
+
+use crate::device::Device;
+use crate::error::{Result, RuntimeError};
+use crate::families::StepPtrs;
+use crate::launch::{launch, ptr};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
+use moe_codegen::{
+    bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, routing_smem_bytes, DecodeTiles,
+    KernelSource, MoeSpec, TOKEN_TILES,
+};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
+/// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
+/// 8-token kernels need about 150 registers and halve the resident warps; with 128 experts and
+/// top-8 an expert rarely serves more than 4 tokens of a decode step anyway.
+pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
+
+struct TileFns {
+    tile: u32,
+    gate_up: CudaFunction,
+    fused: CudaFunction,
+    /// Resident blocks per SM at the largest routing table we size for.
+    gate_up_blocks_per_sm: u32,
+}
+
+/// A one-token kernel that streams weights through shared memory (`decode_bulk.cuh`).
+struct BulkFn {
+    f: CudaFunction,
+    smem: u32,
+    threads: u32,
+}
+
+/// The down kernel (one for every token tile).
+struct DownFn {
+    f: CudaFunction,
+    blocks_per_sm: u32,
+}
+
+/// The family's compiled functions, its launch geometry and its scratch.
+pub(crate) struct DecodeFamily {
+    sms: u32,
+    max_smem: u32,
+    /// Shared memory the kernels declare statically (the dequant table of `lut`).
+    static_smem: u32,
+    warps: u32,
+    /// Hidden outputs per down item (the module's tiles).
+    down_rows: usize,
+    /// Items a warp of the multi-token gate_up kernels serves at once (the module's tiles).
+    gate_up_items: u64,
+    tiles: Vec<TileFns>,
+    down: DownFn,
+    /// down with its first items stashed in shared memory, for steps of one token.
+    down_stash: DownFn,
+    /// The bulk one-token kernels, where the tiles ask for them and their shared memory fits.
+    bulk_gate_up: Option<BulkFn>,
+    bulk_down: Option<BulkFn>,
+    /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
+    mid: Mutex<CudaSlice<f32>>,
+    /// The fused kernel's per-expert ready counters and finished-block count (cleared by it).
+    ready: CudaSlice<i32>,
+    /// One persistent kernel per step instead of the gate_up / down pair.
+    pub fused: bool,
+    /// The largest token tile a step may pick.
+    pub max_token_tile: u32,
+    /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
+    /// intermediate's cap); larger steps run as consecutive launches of at most this many.
+    chunk: usize,
+}
+
+impl DecodeFamily {
+    /// Build the family from its rendered module (`src.decode_tiles` sizes the grids).
+    pub fn load(device: &Device, spec: &MoeSpec, src: &KernelSource) -> Result<DecodeFamily> {
+        let dt = src.decode_tiles.ok_or_else(|| RuntimeError::Shape {
+            what: "KernelSource::decode_tiles",
+            expected: "the warp-decode tiles the source was rendered with".into(),
+            got: "none".into(),
+        })?;
+        if dt.dn_rows == 0 || spec.hidden() % dt.dn_rows != 0 || !matches!(dt.gu_lanes, 16 | 32) {
+            return Err(RuntimeError::Shape {
+                what: "KernelSource::decode_tiles",
+                expected: format!("rows per down item dividing {} and 16 or 32 gate_up lanes", spec.hidden()),
+                got: format!("{dt:?}"),
+            });
+        }
+        let module = device.load(src)?;
+        let stream = device.stream();
+        let warps = src.block_threads / 32;
+        let sizing_smem = routing_smem_bytes(spec, 64);
+        let occ = |f: &CudaFunction| -> Result<u32> {
+            Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1) as u32)
+        };
+        let mut tiles = Vec::new();
+        for t in TOKEN_TILES {
+            let gate_up = module.load_function(&format!("moe_gate_up_t{t}"))?;
+            let fused = module.load_function(&format!("moe_fused_t{t}"))?;
+            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up, fused });
+        }
+        let down_f = module.load_function("moe_down")?;
+        let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
+        let stash_f = module.load_function("moe_down_stash")?;
+        let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
+        let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
+        let bulk_fn = |on: bool, name: &str, smem: u32, warps: u32| -> Result<Option<BulkFn>> {
+            if !on || smem > device.max_smem_optin() {
+                return Ok(None);
+            }
+            let f = module.load_function(name)?;
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+            Ok(Some(BulkFn { f, smem, threads: (warps + 1) * 32 }))
+        };
+        let bulk_gate_up = bulk_fn(dt.bulk_gu, "moe_gate_up_bulk", gu_smem, dt.bulk_gu_warps)?;
+        let bulk_down = bulk_fn(dt.bulk_dn, "moe_down_bulk", dn_smem, dt.bulk_dn_warps)?;
+        // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
+        let mut static_smem = 0;
+        for f in tiles.iter().flat_map(|t| [&t.gate_up, &t.fused]).chain([&down.f, &down_stash.f]) {
+            static_smem =
+                static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
+        }
+        let chunk = max_chunk(spec, static_smem as u32, device.max_smem_optin());
+        if chunk == 0 {
+            let need = decode_smem_bytes(spec, 1) + static_smem as u32;
+            return Err(RuntimeError::StepTooLarge { m: 1, need, max: device.max_smem_optin() });
+        }
+        Ok(DecodeFamily {
+            sms: device.sm_count(),
+            max_smem: device.max_smem_optin(),
+            static_smem: static_smem as u32,
+            warps,
+            down_rows: dt.dn_rows as usize,
+            gate_up_items: (32 / dt.gu_lanes) as u64,
+            tiles,
+            down,
+            down_stash,
+            bulk_gate_up,
+            bulk_down,
+            mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(spec, 1))?),
+            ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
+            // Measured on the H100 (docs/decode-notes.md): the split pair is faster.
+            fused: false,
+            max_token_tile: DEFAULT_MAX_TOKEN_TILE,
+            chunk,
+        })
+    }
+
+    /// Whether one-token steps take the bulk gate_up and the bulk down.
+    pub fn bulk_one_token(&self) -> (bool, bool) {
+        (self.bulk_gate_up.is_some(), self.bulk_down.is_some())
+    }
+
+    /// The most tokens one launch takes.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Size the intermediate for launches of up to `tokens` tokens (capped at the chunk).
+    pub fn reserve(&self, stream: &Arc<CudaStream>, spec: &MoeSpec, tokens: usize) -> Result<()> {
+        let tokens = tokens.min(self.chunk);
+        let need = decode_mid_floats(spec, tokens as u32);
+        let mut mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
+        if mid.len() < need {
+            // Growing means a sync and an allocation, which would invalidate a graph capture.
+            let capturing = stream.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            if capturing {
+                return Err(RuntimeError::NotReserved { m: tokens });
+            }
+            stream.synchronize()?;
+            *mid = stream.alloc_zeros::<f32>(need)?;
+            stream.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Warp decode over a step of any size: launches of at most `decode_chunk` tokens, each on
+    /// its own rows of x, the routing and y (the chunks share the intermediate scratch, which
+    /// each gate_up writes only after its `griddepcontrol.wait` on the down before it).
+    pub fn forward(&self, stream: &Arc<CudaStream>, spec: &MoeSpec, m: usize, p: &StepPtrs) -> Result<()> {
+        let (h, k) = (spec.hidden() as u64, spec.top_k() as u64);
+        let act = spec.act_dtype().bytes() as u64;
+        let chunk = self.chunk;
+        self.reserve(stream, spec, m.min(chunk))?;
+        for start in (0..m).step_by(chunk) {
+            let t = start as u64;
+            let part = StepPtrs {
+                x: p.x + t * h * act,
+                ids: p.ids + t * k * 4,
+                weights: p.weights + t * k * 4,
+                y: p.y + t * h * act,
+                ..*p
+            };
+            self.launch(stream, spec, chunk.min(m - start), &part)?;
+        }
+        Ok(())
+    }
+
+    fn launch(&self, s: &CudaStream, spec: &MoeSpec, m: usize, p: &StepPtrs) -> Result<()> {
+        let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
+        let smem = decode_smem_bytes(spec, m as u32);
+        let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
+        let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
+        let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
+        for f in [&fns.gate_up, &self.down.f, &self.down_stash.f, &fns.fused] {
+            if smem + self.static_smem > 48 * 1024 {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+            }
+        }
+        let (mut xp, mut idp, mut wp) = (p.x, p.ids, p.weights);
+        let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
+        let (mut midp, mut yp, mut errp, mut readyp) = (ptr(&mid, s), p.y, p.errors, ptr(&self.ready, s));
+        let mut m_i32 = m as i32;
+        let block = self.warps * 32;
+        let pairs = (m * k) as u64;
+        let gu_items = pairs.min(spec.experts() as u64) * spec.intermediate() as u64;
+        // At M = 1 every down warp holds one item (one row): the stash kernel, which takes the
+        // whole item to shared memory before the wait.
+        let (down, dn_rows) = if m == 1 { (&self.down_stash, 1) } else { (&self.down, self.down_rows) };
+        let dn_items = (h / dn_rows) as u64 * m as u64;
+        let gu_warp_items = if tile == 1 { gu_items } else { gu_items.div_ceil(self.gate_up_items) };
+        let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
+        let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
+        if self.fused {
+            // Its blocks wait on each other, so the grid must be co-resident: size it from the
+            // occupancy at this step's shared memory.
+            let per_sm = fns.fused.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+            if per_sm == 0 {
+                return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
+            }
+            let blocks = grid(gu_warp_items.max((h / self.down_rows) as u64 * m as u64), per_sm);
+            let mut args = [
+                as_arg(&mut xp),
+                as_arg(&mut idp),
+                as_arg(&mut wp),
+                as_arg(&mut w13),
+                as_arg(&mut w13s),
+                as_arg(&mut w2),
+                as_arg(&mut w2s),
+                as_arg(&mut midp),
+                as_arg(&mut yp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+                as_arg(&mut errp),
+                as_arg(&mut readyp),
+            ];
+            unsafe { launch(&fns.fused, s, blocks, block, smem, true, &mut args)? };
+            return Ok(());
+        }
+        unsafe {
+            let mut gu = [
+                as_arg(&mut xp),
+                as_arg(&mut idp),
+                as_arg(&mut w13),
+                as_arg(&mut w13s),
+                as_arg(&mut midp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+                as_arg(&mut errp),
+            ];
+            // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
+            // touches memory its predecessor may use, so only launch latency overlaps.
+            // Staged activations can take more shared memory than the load-time sizing assumed.
+            // The bulk kernels: one block per SM (a producer warp and the consumers). The bulk
+            // gate_up also takes w2, which it prefetches into L2 for down.
+            let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
+            match (m, &self.bulk_gate_up) {
+                (1, Some(b)) => {
+                    let tiles = pairs * spec.intermediate() as u64 / (b.threads / 32 - 1) as u64;
+                    let mut w2p = w2;
+                    let mut args = [gu[0], gu[1], gu[2], gu[3], as_arg(&mut w2p), gu[4], gu[5], gu[6]];
+                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut args)?;
+                }
+                _ => {
+                    let per_sm =
+                        fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+                    let per_sm = (per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
+                    launch(&fns.gate_up, s, grid(gu_warp_items, per_sm), block, smem, true, &mut gu)?;
+                }
+            }
+            let mut dn = [
+                as_arg(&mut midp),
+                as_arg(&mut idp),
+                as_arg(&mut wp),
+                as_arg(&mut w2),
+                as_arg(&mut w2s),
+                as_arg(&mut yp),
+                &mut m_i32 as *mut i32 as *mut c_void,
+            ];
+            // down needs only the step's ids and weights in dynamic shared memory: the less it
+            // asks for, the sooner its blocks fit beside gate_up's last ones.
+            match (m, &self.bulk_down) {
+                (1, Some(b)) => {
+                    let tiles = h as u64 / (b.threads / 32 - 1) as u64;
+                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut dn)?;
+                }
+                _ => {
+                    let dn_smem = decode_down_smem_bytes(spec, m as u32);
+                    launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The largest token count `c` such that a warp-decode launch of every size up to `c` fits the
+/// device's shared memory and the kernels' 32-bit work indices (0: not even one token fits).
+/// Scanned rather than solved: the activation staging switches off past a size, so the bytes a
+/// step needs are not monotonic in its tokens.
+fn max_chunk(spec: &MoeSpec, static_smem: u32, max_smem: u32) -> usize {
+    let max = i32::MAX as usize / spec.hidden() as usize;
+    // The intermediate scratch is sized for one launch: cap it, but never below one token.
+    let mid_cap = (MAX_DECODE_MID_BYTES / (4 * decode_mid_floats(spec, 1))).max(1);
+    (1..=max.min(mid_cap))
+        .take_while(|&m| decode_smem_bytes(spec, m as u32) + static_smem <= max_smem)
+        .last()
+        .unwrap_or(0)
+}
+
+/// Cap on the intermediate scratch of one warp-decode launch: steps that large are far past the
+/// sizes warp decode serves well, so more launches cost little and the memory stays bounded.
+const MAX_DECODE_MID_BYTES: usize = 64 << 20;

@@ -1,0 +1,23 @@
+//! The kernel families, one module each: compiled functions, launch geometry and scratch.
+//! A family never imports its sibling; what they share (the step's pointers) lives here.
+
+pub mod decode;
+pub mod grouped;
+
+/// Device pointers a family reads for one step.
+#[derive(Clone, Copy)]
+pub(crate) struct StepPtrs {
+    pub x: u64,
+    /// Router logits `[M, E]` and bias (0: `ids` / `weights` are given); moe_prepare then routes
+    /// into `ids` / `weights`, which must be the scratch's (`GroupedPath::routing_ptrs`).
+    pub logits: u64,
+    pub bias: u64,
+    pub ids: u64,
+    pub weights: u64,
+    pub y: u64,
+    pub w13: u64,
+    pub w13_scales: u64,
+    pub w2: u64,
+    pub w2_scales: u64,
+    pub errors: u64,
+}
