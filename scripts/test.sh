@@ -67,7 +67,8 @@ stage "build: tests and moe-jit (dev profile)" cargo test --workspace --no-run
 stage "moe-jit check: every variant x sm_90a,sm_100a,sm_120a" \
   cargo run -q -p moe-runtime --bin moe-jit -- check --arch sm_90a,sm_100a,sm_120a
 # every_variant_compiles_for_every_arch compiles the set `moe-jit check` just did: cache hits.
-stage "cargo test (GPU tests are #[ignore]d here; see README: GPU tests)" cargo test --workspace
+# GPU tests are #[ignore]d here (see README: GPU tests).
+stage "cargo test --workspace" cargo test --workspace
 # The downstream crate depends on moeforge by path, as a crates.io user would. Its own workspace,
 # built into this target dir: the dependencies it shares with the workspace are built once.
 stage "downstream crate (examples/downstream)" \
