@@ -6,9 +6,13 @@
 //! kernels, plus the fused kernel for bf16 and fp8_e4m3. `--formats a,b` and `--dequant lut,bits`
 //! narrow the report. Bytes are the touched experts' packed weights plus every scale the kernels
 //! read for them, plus x, y and the routing.
+//! `--ms 1,8` and `--variants split,fused` narrow it further.
 //! Each timed unit is a CUDA-graph replay of forward over enough copies of the weights (at least
-//! LAYERS, and 4x the L2 at M = 1) that no expert row is served from L2; the device-to-device copy
-//! bandwidth is measured in the same run.
+//! MIN_LAYERS, and 4x the L2 at M = 1) that no expert row is served from L2; the device-to-device
+//! copy bandwidth is measured in the same run. Every path (report, sweep, criterion) divides a
+//! replay's time by the number of layers that graph holds, counted as it was captured
+//! ([`Case::layers`]); `--self-check` runs the checks of that without a GPU
+//! (`cargo test --bench decode -- --self-check`).
 
 use moe_runtime::cudarc::driver::sys::CUdevice_attribute;
 use moe_runtime::cudarc::driver::sys::CUevent_flags;
@@ -18,21 +22,68 @@ use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{ActElem, Device, MoeLayer};
 use moeforge::codegen::{render_warp_decode, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
 use std::sync::Arc;
+use std::time::Duration;
 
 const MS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// Weight copies cycled through at least: at M = 1 each step touches ~75 MB (bf16), 4 copies >= 4x
-/// L2. Smaller formats get more copies (`layer_copies`).
-const LAYERS: usize = 4;
+/// L2. Smaller formats get more copies (`layer_copies`): a graph's layer count is [`Case::layers`],
+/// never this constant.
+const MIN_LAYERS: usize = 4;
 
 /// One step's device buffers: x, topk ids, topk weights, y.
 type StepBuffers<T> = (CudaSlice<T>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<T>);
 
-struct Case {
-    graph: CudaGraph,
-    /// Bytes one layer step must move: touched experts' weights and scales, x, y, routing.
-    bytes_per_layer: f64,
-    _keep: Box<dyn std::any::Any>,
+mod case {
+    use std::time::Duration;
+
+    /// A captured graph of `layers` layer steps. The graph is private and the count is the number of
+    /// forward calls the capture recorded, so every time read off the graph comes out per layer,
+    /// divided by the count that graph holds (6 copies for fp8 and up to 12 for 4-bit formats on
+    /// an H100, not `MIN_LAYERS`).
+    pub struct Case<G = super::CudaGraph> {
+        graph: G,
+        layers: usize,
+        /// Bytes one layer step must move: touched experts' weights and scales, x, y, routing.
+        pub bytes_per_layer: f64,
+        _keep: Box<dyn std::any::Any>,
+    }
+
+    impl<G> Case<G> {
+        /// `layers`: the forward calls captured into `graph`; `bytes`: what all of them move.
+        pub fn new(graph: G, layers: usize, bytes: f64, keep: Box<dyn std::any::Any>) -> Self {
+            assert!(layers > 0, "a decode graph holds at least one layer");
+            Case { graph, layers, bytes_per_layer: bytes / layers as f64, _keep: keep }
+        }
+
+        /// Layer steps one replay runs.
+        pub fn layers(&self) -> usize {
+            self.layers
+        }
+
+        /// One layer's share of `replays` (the time of whole-graph replays).
+        pub fn per_layer(&self, replays: Duration) -> Duration {
+            replays / self.layers as u32
+        }
+
+        /// One layer's share of a replay's microseconds.
+        pub fn per_layer_us(&self, replay_us: f64) -> f64 {
+            replay_us / self.layers as f64
+        }
+    }
+
+    impl Case<super::CudaGraph> {
+        /// Median microseconds per layer over `reps` replays.
+        pub fn time_per_layer(&self, s: &std::sync::Arc<super::CudaStream>, reps: usize) -> f64 {
+            self.per_layer_us(super::time_graph(s, &self.graph, reps).unwrap())
+        }
+
+        /// Replays the whole graph once (every layer).
+        pub fn launch(&self) {
+            self.graph.launch().unwrap();
+        }
+    }
 }
+use case::Case;
 
 fn build_case(layers: &[MoeLayer], spec: &MoeSpec, m: usize) -> Case {
     match spec.act_dtype() {
@@ -65,15 +116,19 @@ fn build_case_as<T: ActElem + 'static>(layers: &[MoeLayer], spec: &MoeSpec, m: u
     for l in layers {
         l.reserve(m).unwrap();
     }
+    // The layer count is the forward calls the capture made: the one number every path divides by.
+    let mut captured = 0;
     let graph = capture(&s, || {
         for (l, st) in layers.iter().zip(steps.iter_mut()) {
             l.forward(&st.0, &st.1, &st.2, &mut st.3)?;
+            captured += 1;
         }
         Ok(())
     })
     .unwrap();
+    assert_eq!(captured, layers.len());
     keep.extend(steps);
-    Case { graph, bytes_per_layer: bytes / layers.len() as f64, _keep: Box::new(keep) }
+    Case::new(graph, captured, bytes, Box::new(keep))
 }
 
 fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
@@ -88,8 +143,13 @@ fn layers_with_tiles(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<Moe
 fn layer_copies(dev: &Device, spec: &MoeSpec) -> usize {
     let l2 =
         dev.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20) as usize;
+    copies_for(l2, spec)
+}
+
+/// [`layer_copies`] for an L2 of `l2` bytes.
+fn copies_for(l2: usize, spec: &MoeSpec) -> usize {
     let touched = spec.top_k() as usize * spec.expert_bytes();
-    (4 * l2).div_ceil(touched.max(1)).max(LAYERS)
+    (4 * l2).div_ceil(touched.max(1)).max(MIN_LAYERS)
 }
 
 fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> Vec<MoeLayer> {
@@ -121,12 +181,21 @@ struct Row {
     pct: f64,
 }
 
+fn variant_name(fused: bool, tile_cap: u32) -> &'static str {
+    match (fused, tile_cap) {
+        (true, _) => "fused",
+        (false, 8) => "split",
+        (false, _) => "split_cap4",
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn report_rows(
     dev: &Device,
     s: &Arc<CudaStream>,
     spec: MoeSpec,
     (fused, tile_cap): (bool, u32),
+    ms: &[usize],
     copy: f64,
     date: &str,
     rows: &mut String,
@@ -138,15 +207,11 @@ fn report_rows(
     for l in &mut layers {
         l.set_max_token_tile(tile_cap).unwrap();
     }
-    let copies = layers.len();
-    let variant = match (fused, tile_cap) {
-        (true, _) => "fused",
-        (false, 8) => "split",
-        (false, _) => "split_cap4",
-    };
-    for m in MS {
+    let variant = variant_name(fused, tile_cap);
+    for m in ms.iter().copied() {
         let case = build_case(&layers, &spec, m);
-        let us = time_graph(s, &case.graph, 100).unwrap() / copies as f64;
+        let copies = case.layers();
+        let us = case.time_per_layer(s, 100);
         let gbps = case.bytes_per_layer / (us * 1e-6) / 1e9;
         let pct = 100.0 * gbps / copy;
         println!(
@@ -183,7 +248,18 @@ fn report_specs(dev: &Device, formats: &[WeightFormat], dequants: &[DequantVaria
     out
 }
 
-fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat], dequants: &[DequantVariant]) {
+/// What the report covers: formats and dequant variants (empty: all), step sizes and kernel
+/// variants (`split`, `split_cap4`, `fused`; empty: all).
+struct Filters {
+    formats: Vec<WeightFormat>,
+    dequants: Vec<DequantVariant>,
+    ms: Vec<usize>,
+    variants: Vec<String>,
+}
+
+fn report(dev: &Device, out: Option<&str>, filters: &Filters) {
+    let Filters { formats, dequants, ms, variants } = filters;
+    let ms: &[usize] = if ms.is_empty() { &MS } else { ms };
     let s = dev.stream().clone();
     let copy = copy_gbps(&s).unwrap();
     let date = timing::today();
@@ -204,7 +280,9 @@ fn report(dev: &Device, out: Option<&str>, formats: &[WeightFormat], dequants: &
         // The fused kernel and the smaller token-tile cap are measured on bf16 and fp8 only.
         let more = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
         for v in [(false, 8), (false, 4), (true, 8)].into_iter().filter(|&v| v == (false, 8) || more) {
-            report_rows(dev, &s, spec, v, copy, &date, &mut rows, &mut table);
+            if variants.is_empty() || variants.iter().any(|n| n == variant_name(v.0, v.1)) {
+                report_rows(dev, &s, spec, v, ms, copy, &date, &mut rows, &mut table);
+            }
         }
     }
     summary(&table);
@@ -296,7 +374,7 @@ fn sweep(dev: &Device, specs: &[MoeSpec], ms: &[usize]) {
             );
             for &m in ms {
                 let case = build_case(&layers, &spec, m);
-                let us = time_graph(&s, &case.graph, 50).unwrap() / layers.len() as f64;
+                let us = case.time_per_layer(&s, 50);
                 let pct = 100.0 * case.bytes_per_layer / (us * 1e-6) / 1e9 / copy;
                 line += &format!("  m{m} {us:7.2}us {pct:5.1}%");
             }
@@ -311,10 +389,10 @@ fn profile(dev: &Device, format: WeightFormat, m: usize, fused: bool) {
     let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
     let case = build_case(&layers, &spec, m);
     for _ in 0..3 {
-        case.graph.launch().unwrap();
+        case.launch();
     }
     dev.stream().synchronize().unwrap();
-    println!("profiled {format} m={m}");
+    println!("profiled {format} m={m} ({} layers a replay)", case.layers());
 }
 
 fn criterion_bench(dev: &Device) {
@@ -326,15 +404,18 @@ fn criterion_bench(dev: &Device) {
         let mut group = c.benchmark_group(format!("warp_decode/qwen3-30b-a3b/{format}"));
         for m in MS {
             let case = build_case(&layers, &spec, m);
+            if m == MS[0] {
+                println!("warp_decode/qwen3-30b-a3b/{format}: {} layers a replay; times are per layer", case.layers());
+            }
             group.bench_function(format!("m{m}"), |b| {
                 b.iter_custom(|iters| {
                     let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
                     for _ in 0..iters {
-                        case.graph.launch().unwrap();
+                        case.launch();
                     }
                     let e = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
                     e.synchronize().unwrap();
-                    std::time::Duration::from_secs_f64(a.elapsed_ms(&e).unwrap() as f64 * 1e-3 / LAYERS as f64)
+                    case.per_layer(Duration::from_secs_f64(a.elapsed_ms(&e).unwrap() as f64 * 1e-3))
                 })
             });
         }
@@ -343,8 +424,40 @@ fn criterion_bench(dev: &Device) {
     c.final_summary();
 }
 
+/// Checks that need no GPU (`--self-check`; also run, silently, before every bench run): the layer
+/// counts of the issue (4 bf16, 6 fp8 and up to 12 4-bit copies on a 50 MiB L2) and that a graph's
+/// per-layer time divides by the count it holds.
+fn self_check(verbose: bool) {
+    let l2 = 50 << 20; // H100
+    let copies = |f: WeightFormat| copies_for(l2, &qwen(f));
+    assert_eq!(copies(WeightFormat::Bf16), 4);
+    assert_eq!(copies(WeightFormat::Fp8E4m3), 6);
+    let most = WeightFormat::ALL.into_iter().filter(|f| f.elem_bits() == 4).map(copies).max().unwrap();
+    assert!((11..=12).contains(&most), "4-bit formats cycle {most} copies");
+    for f in WeightFormat::ALL {
+        let n = copies(f);
+        assert!(n >= MIN_LAYERS);
+        // A graph of n layers: n x 10 ms of replays come back as 10 ms a layer, whatever MIN_LAYERS is.
+        let case: Case<()> = Case::new((), n, 1e6 * n as f64, Box::new(()));
+        assert_eq!(case.layers(), n);
+        assert_eq!(case.per_layer(Duration::from_millis(10) * n as u32), Duration::from_millis(10));
+        assert!((case.per_layer_us(1000.0) - 1000.0 / n as f64).abs() < 1e-9);
+        assert_eq!(case.bytes_per_layer, 1e6);
+        if verbose {
+            println!("{:<15} {n:>2} layers a graph on a 50 MiB L2", f.name());
+        }
+    }
+    if verbose {
+        println!("self-check passed");
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    self_check(args.iter().any(|a| a == "--self-check"));
+    if args.iter().any(|a| a == "--self-check") {
+        return;
+    }
     let dev = match Device::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -382,9 +495,13 @@ fn main() {
                 .map(|v| v.split(',').map(str::to_string).collect())
                 .unwrap_or_default()
         };
-        let formats: Vec<WeightFormat> = list("--formats").iter().map(|f| f.parse().unwrap()).collect();
-        let dequants: Vec<DequantVariant> = list("--dequant").iter().map(|d| d.parse().unwrap()).collect();
-        report(&dev, out, &formats, &dequants);
+        let filters = Filters {
+            formats: list("--formats").iter().map(|f| f.parse().unwrap()).collect(),
+            dequants: list("--dequant").iter().map(|d| d.parse().unwrap()).collect(),
+            ms: list("--ms").iter().map(|m| m.parse().unwrap()).collect(),
+            variants: list("--variants"),
+        };
+        report(&dev, out, &filters);
     } else {
         criterion_bench(&dev);
     }

@@ -3,8 +3,13 @@
 //!
 //! `cargo bench --bench prefill -- [--report FILE] [--geometries qwen3-30b-a3b,mixtral-8x7b]
 //! [--formats bf16,fp8_e4m3] [--ms 64,256] [--atomic]` prints a table and appends one JSON
-//! object per row to FILE. TFLOP/s counts 2 * M * top_k * 3 * H * I. The ceiling, measured in the
-//! same run, is a dense bf16 8192^3 matmul through cuBLAS. Uniform routing draws each token's
+//! object per row to FILE. TFLOP/s counts 2 * M * top_k * 3 * H * I. The ceilings, measured in the
+//! same run on random operands (zeros clock higher at the power limit), are dense 8192^3 matmuls:
+//! bf16 through cuBLAS, and e4m3 x e4m3 -> bf16 through cuBLASLt (TN, fp32 compute, fast
+//! accumulation). A row's `pct_of_dense` divides by the ceiling of its precision (`dense_precision`:
+//! fp8 weights against the e4m3 one, 16-bit against bf16); a ceiling that fails leaves its fields
+//! null and its error in the row (`dense_error`) rather than stopping the run. `--dense-only`
+//! measures the ceilings and exits. Uniform routing draws each token's
 //! experts at random; skewed routing sends ~85% of assignments to the top eighth of the experts
 //! (at least top_k of them). `--routings uniform,skewed,balanced` picks the routings; balanced
 //! (not a default) gives every expert the same count, token t taking experts t k .. t k + k - 1
@@ -12,24 +17,65 @@
 
 use moe_runtime::cudarc::cublas::sys::cublasOperation_t;
 use moe_runtime::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use moe_runtime::cudarc::driver::CudaSlice;
+use moe_runtime::cudarc::cublaslt::{result as lt, sys as ltsys};
+use moe_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, time_graph};
 use moe_runtime::{Device, MoeLayer};
+use moeforge::codegen::numerics::e4m3_from_f32;
 use moeforge::codegen::{KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use serde_json::Value;
+use std::ffi::c_void;
+use std::sync::Arc;
 
 type Bf = half::bf16;
 
-/// Dense bf16 C[8192, 8192] = A . B through cuBLAS: median TFLOP/s over graph replays.
-fn dense_tflops(dev: &Device) -> f64 {
-    let n = 8192usize;
+/// The ceiling GEMMs' M = N = K.
+const DENSE_N: usize = 8192;
+
+/// `len` values drawn uniformly from [-1, 1) and encoded by `enc`, on every core (one seeded stream a
+/// chunk): random operands, since zero-filled ones draw less power and clock higher.
+fn random_fill<T: Send + Default + Clone>(len: usize, seed: u64, enc: impl Fn(f32) -> T + Sync) -> Vec<T> {
+    let mut v = vec![T::default(); len];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = len.div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (i, part) in v.chunks_mut(chunk).enumerate() {
+            let enc = &enc;
+            sc.spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                part.iter_mut().for_each(|x| *x = enc(rng.random_range(-1.0f32..1.0)));
+            });
+        }
+    });
+    v
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// TFLOP/s of the 8192^3 GEMM that `gemm` enqueues: one warm-up call outside the capture (where a
+/// failing library call surfaces), then the median of graph replays.
+fn time_gemm(s: &Arc<CudaStream>, mut gemm: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    gemm()?;
+    s.synchronize().map_err(err)?;
+    let g = capture(s, || gemm().map_err(moe_runtime::RuntimeError::Nvrtc)).map_err(err)?;
+    let us = time_graph(s, &g, 20).map_err(err)?;
+    Ok(2.0 * (DENSE_N as f64).powi(3) / (us * 1e-6) / 1e12)
+}
+
+/// Dense bf16 C[8192, 8192] = A . B through cuBLAS on random operands: median TFLOP/s over graph
+/// replays.
+fn dense_bf16(dev: &Device) -> Result<f64, String> {
+    let n = DENSE_N;
     let s = dev.stream().clone();
-    let blas = CudaBlas::new(s.clone()).expect("cuBLAS");
-    let a: CudaSlice<Bf> = s.alloc_zeros(n * n).unwrap();
-    let b: CudaSlice<Bf> = s.alloc_zeros(n * n).unwrap();
-    let mut c: CudaSlice<Bf> = s.alloc_zeros(n * n).unwrap();
+    let blas = CudaBlas::new(s.clone()).map_err(|e| format!("cuBLAS: {e}"))?;
+    let a: CudaSlice<Bf> = s.clone_htod(&random_fill(n * n, 1, Bf::from_f32)).map_err(err)?;
+    let b: CudaSlice<Bf> = s.clone_htod(&random_fill(n * n, 2, Bf::from_f32)).map_err(err)?;
+    let mut c: CudaSlice<Bf> = s.alloc_zeros(n * n).map_err(err)?;
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_N,
         transb: cublasOperation_t::CUBLAS_OP_N,
@@ -42,13 +88,172 @@ fn dense_tflops(dev: &Device) -> f64 {
         beta: Bf::ZERO,
         ldc: n as i32,
     };
-    unsafe { blas.gemm(cfg, &a, &b, &mut c) }.unwrap(); // warm-up outside the capture
-    let g = capture(&s, || {
-        unsafe { blas.gemm(cfg, &a, &b, &mut c) }.map_err(|e| moe_runtime::RuntimeError::Nvrtc(e.to_string()))
+    time_gemm(&s, || unsafe { blas.gemm(cfg, &a, &b, &mut c) }.map_err(|e| format!("cuBLAS gemm: {e}")))
+}
+
+/// The cuBLASLt descriptors of one matmul, destroyed on drop.
+#[derive(Default)]
+struct LtObjects {
+    handle: Option<ltsys::cublasLtHandle_t>,
+    desc: Option<ltsys::cublasLtMatmulDesc_t>,
+    layouts: Vec<ltsys::cublasLtMatrixLayout_t>,
+    pref: Option<ltsys::cublasLtMatmulPreference_t>,
+}
+
+impl Drop for LtObjects {
+    fn drop(&mut self) {
+        unsafe {
+            if let Some(p) = self.pref.take() {
+                let _ = lt::destroy_matmul_pref(p);
+            }
+            for l in self.layouts.drain(..) {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            if let Some(d) = self.desc.take() {
+                let _ = lt::destroy_matmul_desc(d);
+            }
+            if let Some(h) = self.handle.take() {
+                let _ = lt::destroy_handle(h);
+            }
+        }
+    }
+}
+
+/// Dense e4m3 x e4m3 -> bf16 D[8192, 8192] through cuBLASLt on random operands: median TFLOP/s over
+/// graph replays. FP8 needs the "TN" layout: A is stored K x M column-major (each output row's K
+/// values contiguous, lda = K) and used transposed (TRANSA = T), B is K x N column-major (ldb = K)
+/// and not transposed, D (and C, unread with beta = 0) bf16 M x N (ldd = M); fp32 compute and
+/// scales (CUBLAS_COMPUTE_32F, alpha 1, beta 0, no A/B scale pointers: scale 1). `fast_accum`: the
+/// tensor cores' accumulator holds the whole of K (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1, as in the
+/// per-channel GEMM1) rather than being promoted to fp32 every few k-steps.
+/// Errors (no libcublasLt, an unsupported layout, a panic inside cudarc) come back as text.
+fn dense_fp8(dev: &Device, fast_accum: bool) -> Result<f64, String> {
+    if !unsafe { ltsys::is_culib_present() } {
+        return Err("libcublasLt not found".into());
+    }
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dense_fp8_lt(dev, fast_accum))).unwrap_or_else(|p| {
+        let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(format!("cuBLASLt panicked: {}", why.unwrap_or_default()))
     })
-    .unwrap();
-    let us = time_graph(&s, &g, 20).unwrap();
-    2.0 * (n as f64).powi(3) / (us * 1e-6) / 1e12
+}
+
+fn dense_fp8_lt(dev: &Device, fast_accum: bool) -> Result<f64, String> {
+    use ltsys::cublasLtMatmulDescAttributes_t as Desc;
+    let n = DENSE_N;
+    let (m, nn, k) = (n as u64, n as u64, n as u64);
+    assert!(k % 16 == 0, "cuBLASLt fp8 wants K and the leading dimensions a multiple of 16");
+    let s = dev.stream().clone();
+    s.context().bind_to_thread().map_err(err)?;
+    let a: CudaSlice<u8> = s.clone_htod(&random_fill(n * n, 3, e4m3_from_f32)).map_err(err)?;
+    let b: CudaSlice<u8> = s.clone_htod(&random_fill(n * n, 4, e4m3_from_f32)).map_err(err)?;
+    let d: CudaSlice<Bf> = s.alloc_zeros(n * n).map_err(err)?;
+    // NVIDIA's recommended workspace on Hopper.
+    let ws_bytes = 32usize << 20;
+    let ws: CudaSlice<u8> = s.alloc_zeros(ws_bytes).map_err(err)?;
+    fn lterr(what: &'static str) -> impl Fn(lt::CublasError) -> String {
+        move |e| format!("cuBLASLt {what}: {e}")
+    }
+    let mut o = LtObjects::default();
+    let handle = *o.handle.insert(lt::create_handle().map_err(lterr("create"))?);
+    let desc = *o.desc.insert(
+        lt::create_matmul_desc(ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F, ltsys::cudaDataType::CUDA_R_32F)
+            .map_err(lterr("matmul desc"))?,
+    );
+    let transa = cublasOperation_t::CUBLAS_OP_T as i32;
+    let transb = cublasOperation_t::CUBLAS_OP_N as i32;
+    let fast = fast_accum as i8;
+    unsafe {
+        let set = |attr: Desc, p: *const c_void, size: usize| {
+            lt::set_matmul_desc_attribute(desc, attr, p, size).map_err(lterr("desc attribute"))
+        };
+        set(Desc::CUBLASLT_MATMUL_DESC_TRANSA, &transa as *const i32 as *const c_void, 4)?;
+        set(Desc::CUBLASLT_MATMUL_DESC_TRANSB, &transb as *const i32 as *const c_void, 4)?;
+        set(Desc::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast as *const i8 as *const c_void, 1)?;
+    }
+    let mut layout = |t: ltsys::cudaDataType, rows: u64, cols: u64, ld: u64| -> Result<_, String> {
+        let l = lt::create_matrix_layout(t, rows, cols, ld as i64).map_err(lterr("layout"))?;
+        o.layouts.push(l);
+        Ok(l)
+    };
+    let la = layout(ltsys::cudaDataType::CUDA_R_8F_E4M3, k, m, k)?; // A^T stored K x M
+    let lb = layout(ltsys::cudaDataType::CUDA_R_8F_E4M3, k, nn, k)?; // B stored K x N
+    let ld = layout(ltsys::cudaDataType::CUDA_R_16BF, m, nn, m)?; // C = D, M x N
+    let pref = *o.pref.insert(lt::create_matmul_pref().map_err(lterr("preference"))?);
+    unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &(ws_bytes as u64) as *const u64 as *const c_void,
+            8,
+        )
+        .map_err(lterr("workspace preference"))?;
+    }
+    let heuristic = unsafe { lt::get_matmul_algo_heuristic(handle, desc, la, lb, ld, ld, pref) }
+        .map_err(lterr("no algorithm (heuristic)"))?;
+    let (pa, pb, pd, pw) = (a.device_ptr(&s).0, b.device_ptr(&s).0, d.device_ptr(&s).0, ws.device_ptr(&s).0);
+    let (alpha, beta) = (1f32, 0f32);
+    let stream = s.cu_stream() as ltsys::cudaStream_t;
+    time_gemm(&s, || unsafe {
+        lt::matmul(
+            handle,
+            desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            pa as *const c_void,
+            la,
+            pb as *const c_void,
+            lb,
+            pd as *const c_void,
+            ld,
+            pd as *mut c_void,
+            ld,
+            &heuristic.algo,
+            pw as *mut c_void,
+            ws_bytes,
+            stream,
+        )
+        .map_err(lterr("matmul"))
+    })
+}
+
+/// The dense ceilings of the run.
+struct Ceilings {
+    bf16: Result<f64, String>,
+    /// e4m3 with fast accumulation: the fp8 rows' ceiling.
+    fp8: Result<f64, String>,
+    /// e4m3 with cuBLASLt's default (promoting) accumulation, for reference.
+    fp8_promoted: Result<f64, String>,
+}
+
+impl Ceilings {
+    fn measure(dev: &Device) -> Ceilings {
+        let bf16 = dense_bf16(dev);
+        let fp8 = dense_fp8(dev, true);
+        let fp8_promoted = dense_fp8(dev, false);
+        let show = |r: &Result<f64, String>| match r {
+            Ok(t) => format!("{t:.1} TFLOP/s"),
+            Err(e) => format!("FAILED ({e})"),
+        };
+        println!("{}: dense 8192^3 on random data:", dev.name());
+        println!("  bf16 (cuBLAS)                                  {}", show(&bf16));
+        println!("  e4m3 x e4m3 -> bf16 (cuBLASLt TN, fast accum)  {}", show(&fp8));
+        println!("  e4m3 x e4m3 -> bf16 (cuBLASLt TN, promoting)   {}", show(&fp8_promoted));
+        Ceilings { bf16, fp8, fp8_promoted }
+    }
+
+    /// The ceiling of `format`'s rows: its name and TFLOP/s. fp8 weights run e4m3 x e4m3 MMAs;
+    /// every other format of the grouped family runs 16-bit ones (fp16 at bf16's rate).
+    fn of(&self, format: WeightFormat) -> (&'static str, &Result<f64, String>) {
+        match format {
+            WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128 => ("fp8_e4m3", &self.fp8),
+            _ => ("bf16", &self.bf16),
+        }
+    }
+}
+
+/// A TFLOP/s figure for a row: one decimal, null where its measurement failed.
+fn tflops_json(r: &Result<f64, String>) -> Value {
+    r.as_ref().map_or(Value::Null, |t| ((t * 10.0).round() / 10.0).into())
 }
 
 /// Logits that make the router choose exactly `ids` (each chosen expert far above the rest).
@@ -100,8 +305,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let dense = dense_tflops(&dev);
-    println!("{}: dense bf16 8192^3 (cuBLAS) {dense:.1} TFLOP/s", dev.name());
+    let ceilings = Ceilings::measure(&dev);
+    if args.iter().any(|a| a == "--dense-only") {
+        return;
+    }
     let mut out = report
         .as_ref()
         .map(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap_or_else(|e| panic!("{p}: {e}")));
@@ -111,6 +318,11 @@ fn main() {
         }
         for &format in &formats {
             let Ok(spec) = MoeSpec::builder(h, i, e, k).weight_format(format).build() else { continue };
+            let (dense_name, dense) = ceilings.of(format);
+            match dense {
+                Ok(t) => println!("{geo} {format}: % of dense against the {dense_name} ceiling, {t:.1} TFLOP/s"),
+                Err(e) => println!("{geo} {format}: the {dense_name} ceiling failed ({e}): no % of dense"),
+            }
             let w = random_weights(&spec, fresh_seed());
             let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
             drop(w);
@@ -161,13 +373,14 @@ fn main() {
                         let us = time_graph(&s, &g, reps).unwrap();
                         let flops = 2.0 * m as f64 * k as f64 * 3.0 * h as f64 * i as f64;
                         let tflops = flops / (us * 1e-6) / 1e12;
+                        let pct = dense.as_ref().ok().map(|d| 100.0 * tflops / d);
+                        let pct_text = pct.map_or("  n/a".into(), |p| format!("{p:>5.1}"));
                         println!(
-                        "{geo:<14} {format:<10} {family:<12} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {:>5.1}% of dense",
-                        100.0 * tflops / dense
-                    );
+                            "{geo:<14} {format:<10} {family:<12} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {pct_text}% of dense {dense_name}"
+                        );
                         if let Some(f) = out.as_mut() {
                             use std::io::Write;
-                            let row = serde_json::json!({
+                            let mut row = serde_json::json!({
                                 "device": dev.name(),
                                 "family": family.name(),
                                 "format": format.name(),
@@ -179,10 +392,18 @@ fn main() {
                                 "combine": if deterministic { "rows" } else { "atomic" },
                                 "median_us": (us * 1000.0).round() / 1000.0,
                                 "tflops": (tflops * 10.0).round() / 10.0,
-                                "dense_bf16_tflops": (dense * 10.0).round() / 10.0,
-                                "pct_of_dense": (10000.0 * tflops / dense).round() / 100.0,
+                                "dense_precision": dense_name,
+                                "dense_tflops": tflops_json(dense),
+                                "dense_data": "random",
+                                "dense_bf16_tflops": tflops_json(&ceilings.bf16),
+                                "dense_fp8_e4m3_tflops": tflops_json(&ceilings.fp8),
+                                "dense_fp8_e4m3_promoted_tflops": tflops_json(&ceilings.fp8_promoted),
+                                "pct_of_dense": pct.map_or(Value::Null, |p| ((p * 100.0).round() / 100.0).into()),
                                 "date": timing::today(),
                             });
+                            if let Err(e) = dense {
+                                row["dense_error"] = e.as_str().into();
+                            }
                             writeln!(f, "{row}").unwrap();
                         }
                     }
