@@ -502,11 +502,13 @@ pub fn grouped_tiles(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Option
 /// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
-        KernelFamily::WarpDecode => ["moe_down", "moe_down_stash", "moe_gate_up_bulk", "moe_down_bulk"]
-            .map(String::from)
-            .into_iter()
-            .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
-            .collect(),
+        KernelFamily::WarpDecode => {
+            ["moe_down", "moe_down_stash", "moe_gate_up_bulk", "moe_down_bulk", "moe_ids_from_i64"]
+                .map(String::from)
+                .into_iter()
+                .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
+                .collect()
+        }
         KernelFamily::GroupedGemm => grouped::entry_points(),
     }
 }

@@ -33,8 +33,15 @@ impl Device {
             return Err(RuntimeError::NoGpu(format!("device {ordinal} requested, {count} present")));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| RuntimeError::NoGpu(format!("{e:?}")))?;
-        // One stream per layer user; cross-stream event bookkeeping would only get in the way of
-        // graph capture.
+        Device::from_context(ctx)
+    }
+
+    /// A device on a context the caller already has (an engine's, candle's): moeforge's
+    /// buffers and modules live in it, and [`MoeLayer::forward_on`](crate::MoeLayer::forward_on)
+    /// takes the caller's streams of it. Turns off cudarc's per-buffer event tracking on the
+    /// context: moeforge orders its work by streams, and tracked buffers would add event waits
+    /// inside graph captures.
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Device> {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let arch =

@@ -7,10 +7,11 @@ use crate::families::decode::DecodeFamily;
 use crate::families::grouped::{Alignment, GroupedPath};
 use crate::families::StepPtrs;
 use crate::launch::ptr;
-use crate::weights::HostWeights;
+use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
+use crate::weights::Weights;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use moe_codegen::{render, ActDtype, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Element types the activations `x` / `y` may have.
 pub trait ActElem: DeviceRepr + Copy + Default {
@@ -46,6 +47,8 @@ pub struct MoeLayer {
     w2_scales: CudaSlice<u8>,
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
+    /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]).
+    ids32: Mutex<CudaSlice<i32>>,
     validate_routing: bool,
     decode: DecodeFamily,
     /// The prefill family, where the spec's format and geometry allow it (else why not).
@@ -66,7 +69,7 @@ pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
 impl MoeLayer {
     /// Render the spec's kernels for this device (warp decode, and the grouped family where the
     /// spec allows it), build them and upload the weights.
-    pub fn load(device: &Device, spec: MoeSpec, weights: &HostWeights) -> Result<MoeLayer> {
+    pub fn load<'w>(device: &Device, spec: MoeSpec, weights: impl Into<Weights<'w>>) -> Result<MoeLayer> {
         let src = render(&spec, KernelFamily::WarpDecode, device.arch())?;
         MoeLayer::with_source(device, spec, src, weights)
     }
@@ -78,7 +81,12 @@ impl MoeLayer {
 
     /// As [`MoeLayer::load`], with the warp-decode source rendered ahead of time; the grouped
     /// family, where the spec allows it, is rendered here.
-    pub fn with_source(device: &Device, spec: MoeSpec, src: KernelSource, weights: &HostWeights) -> Result<MoeLayer> {
+    pub fn with_source<'w>(
+        device: &Device,
+        spec: MoeSpec,
+        src: KernelSource,
+        weights: impl Into<Weights<'w>>,
+    ) -> Result<MoeLayer> {
         let grouped = match moe_codegen::grouped_support(&spec) {
             Ok(()) => Ok(GroupedPath::load(device, &spec)?),
             Err(why) => Err(why),
@@ -89,11 +97,11 @@ impl MoeLayer {
     /// A layer from sources rendered ahead of time (e.g. by `#[moe_kernel]`): renders nothing.
     /// `sources` must hold the warp-decode module for the device's arch; a grouped module for
     /// that arch gives the layer the grouped family, and without one every step takes warp decode.
-    pub fn with_sources(
+    pub fn with_sources<'w>(
         device: &Device,
         spec: MoeSpec,
         sources: &[KernelSource],
-        weights: &HostWeights,
+        weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
         let arch = device.arch();
         let find = |family| sources.iter().find(|s| s.family == family && s.arch == arch);
@@ -114,28 +122,29 @@ impl MoeLayer {
         MoeLayer::build(device, spec, decode, grouped, weights)
     }
 
-    fn build(
+    fn build<'w>(
         device: &Device,
         spec: MoeSpec,
         src: KernelSource,
         grouped: std::result::Result<GroupedPath, String>,
-        weights: &HostWeights,
+        weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
+        let weights = weights.into();
         if let Err(why) = &grouped {
             tracing::info!(%why, "no grouped GEMM path; every step uses warp decode");
         }
         weights.validate(&spec)?;
         let decode = DecodeFamily::load(device, &spec, &src)?;
         let stream = device.stream().clone();
-        // Formats without scales still get a small buffer so every pointer is valid.
-        let nonempty = |v: &[u8]| if v.is_empty() { vec![0u8; 16] } else { v.to_vec() };
+        let [w13, w13_scales, w2, w2_scales] = weights.into_device(&stream)?;
         let layer = MoeLayer {
             spec,
-            w13: stream.clone_htod(&weights.w13)?,
-            w13_scales: stream.clone_htod(&nonempty(&weights.w13_scales))?,
-            w2: stream.clone_htod(&weights.w2)?,
-            w2_scales: stream.clone_htod(&nonempty(&weights.w2_scales))?,
+            w13,
+            w13_scales,
+            w2,
+            w2_scales,
             errors: stream.alloc_zeros::<i32>(1)?,
+            ids32: Mutex::new(stream.alloc_zeros::<i32>(1)?),
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
@@ -199,7 +208,10 @@ impl MoeLayer {
         // Warp decode takes the steps below the threshold, or every step without the grouped
         // family; a decode launch never takes more than the family's chunk.
         let decode_max = if self.grouped.is_ok() { max_tokens.min(self.prefill_threshold) } else { max_tokens };
-        self.decode.reserve(&self.stream, &self.spec, decode_max)
+        self.decode.reserve(&self.stream, &self.spec, decode_max)?;
+        // int64 routing ids are narrowed into this.
+        self.ids_scratch(&self.stream, max_tokens * self.spec.top_k() as usize)?;
+        Ok(())
     }
 
     /// The most tokens one warp-decode launch takes; larger steps are split into launches of at
@@ -272,8 +284,9 @@ impl MoeLayer {
         topk_weights: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let m = self.check_step(x, y)?;
-        self.forward_family(self.family_for(m), x, topk_ids, topk_weights, y)
+        let s = &self.stream;
+        let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
+        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s))
     }
 
     /// [`MoeLayer::forward`] with the family named.
@@ -285,7 +298,58 @@ impl MoeLayer {
         topk_weights: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let m = self.check_step(x, y)?;
+        let s = &self.stream;
+        let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
+        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s))
+    }
+
+    /// [`MoeLayer::forward`] on memory and a stream the caller owns: `x [M, H]` and `y [M, H]` in
+    /// the spec's activation dtype, `topk_ids [M, k]` as i32 or i64, `topk_weights [M, k]` f32,
+    /// enqueued on `stream` (a stream of the layer's context; wrap an engine's raw `CUstream` with
+    /// cudarc's `CudaContext::wrap_borrowed_stream`) with no host synchronisation, so it can be
+    /// captured in the caller's graph once [`MoeLayer::reserve`] covers M. Steps on different
+    /// streams share the layer's scratch: order them (one stream, or events between them).
+    pub fn forward_on<T: ActElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: DeviceTensor<'_, T>,
+        topk_ids: TopkIds<'_>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: DeviceTensorMut<'_, T>,
+    ) -> Result<()> {
+        self.step(stream, None, x, topk_ids, topk_weights, y)
+    }
+
+    /// [`MoeLayer::forward_on`] with the family named.
+    pub fn forward_family_on<T: ActElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        family: KernelFamily,
+        x: DeviceTensor<'_, T>,
+        topk_ids: TopkIds<'_>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: DeviceTensorMut<'_, T>,
+    ) -> Result<()> {
+        self.step(stream, Some(family), x, topk_ids, topk_weights, y)
+    }
+
+    fn step<T: ActElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        family: Option<KernelFamily>,
+        x: DeviceTensor<'_, T>,
+        topk_ids: TopkIds<'_>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: DeviceTensorMut<'_, T>,
+    ) -> Result<()> {
+        if stream.context().cu_ctx() != self.stream.context().cu_ctx() {
+            return Err(RuntimeError::Shape {
+                what: "stream",
+                expected: "a stream of the context the layer was loaded on".into(),
+                got: "a stream of another context".into(),
+            });
+        }
+        let m = self.check_step::<T>(x.len(), y.len())?;
         let k = self.spec.top_k() as usize;
         let expect = |what, got: usize| {
             if got == m * k {
@@ -296,12 +360,37 @@ impl MoeLayer {
         };
         expect("topk_ids", topk_ids.len())?;
         expect("topk_weights", topk_weights.len())?;
+        let ids = match topk_ids {
+            TopkIds::I32(t) => t.ptr(),
+            TopkIds::I64(t) => {
+                let scratch = self.ids_scratch(stream, m * k)?;
+                self.decode.narrow_ids(stream, t.ptr(), scratch, m * k)?;
+                scratch
+            }
+        };
         if self.validate_routing {
-            self.check_ids(topk_ids)?;
+            let mut host = vec![0i32; m * k];
+            stream.synchronize()?;
+            unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, ids)? };
+            validate_ids(&host, self.spec.experts())?;
         }
-        let s = &self.stream;
-        let p = self.step_ptrs(ptr(x, s), ptr(topk_ids, s), ptr(topk_weights, s), ptr(y, s));
-        self.launch_family(family, m, &p)
+        let family = family.unwrap_or_else(|| self.family_for(m));
+        let p = self.step_ptrs(x.ptr(), ids, topk_weights.ptr(), y.ptr());
+        self.launch_family(stream, family, m, &p)
+    }
+
+    /// The int32 copy of int64 routing ids: `n` ids, grown outside graph capture.
+    fn ids_scratch(&self, stream: &CudaStream, n: usize) -> Result<u64> {
+        let mut ids = self.ids32.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.len() < n {
+            if stream.capture_status()? != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Err(RuntimeError::NotReserved { m: n / self.spec.top_k() as usize });
+            }
+            self.stream.synchronize()?;
+            *ids = self.stream.alloc_zeros::<i32>(n)?;
+            self.stream.synchronize()?;
+        }
+        Ok(ptr(&ids, &self.stream))
     }
 
     /// Route on the device, then [`MoeLayer::forward`]: `logits [M, E]` f32 through the spec's
@@ -312,7 +401,7 @@ impl MoeLayer {
         logits: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let m = self.check_step(x, y)?;
+        let m = self.check_step::<T>(x.len(), y.len())?;
         let e = self.spec.experts() as usize;
         if logits.len() != m * e {
             return Err(RuntimeError::Shape {
@@ -330,11 +419,11 @@ impl MoeLayer {
             // The grouped step routes in its first kernel (moe_prepare).
             let (ids, weights) = g.routing_ptrs(s, m)?;
             let p = StepPtrs { logits, bias, ..self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s)) };
-            return self.launch_family(family, m, &p);
+            return self.launch_family(s, family, m, &p);
         }
         let (ids, weights) = g.route(s, m, logits, bias)?;
         let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
-        self.launch_family(family, m, &p)
+        self.launch_family(s, family, m, &p)
     }
 
     /// The routing the last [`MoeLayer::forward_logits`] produced, copied back (syncs):
@@ -357,7 +446,7 @@ impl MoeLayer {
     }
 
     /// x `[M, H]` with M > 0 in the spec's dtype and y of the same shape; returns M.
-    fn check_step<T: ActElem>(&self, x: &CudaSlice<T>, y: &CudaSlice<T>) -> Result<usize> {
+    fn check_step<T: ActElem>(&self, x_len: usize, y_len: usize) -> Result<usize> {
         let h = self.spec.hidden() as usize;
         if T::DTYPE != self.spec.act_dtype() {
             return Err(RuntimeError::Shape {
@@ -366,19 +455,19 @@ impl MoeLayer {
                 got: T::DTYPE.to_string(),
             });
         }
-        if x.is_empty() || x.len() % h != 0 {
+        if x_len == 0 || x_len % h != 0 {
             return Err(RuntimeError::Shape {
                 what: "x",
                 expected: format!("[M, {h}] with M > 0"),
-                got: format!("{} elements", x.len()),
+                got: format!("{x_len} elements"),
             });
         }
-        let m = x.len() / h;
-        if y.len() != m * h {
+        let m = x_len / h;
+        if y_len != m * h {
             return Err(RuntimeError::Shape {
                 what: "y",
                 expected: format!("[{m}, {h}]"),
-                got: format!("{} elements", y.len()),
+                got: format!("{y_len} elements"),
             });
         }
         Ok(m)
@@ -401,21 +490,16 @@ impl MoeLayer {
         }
     }
 
-    fn launch_family(&self, family: KernelFamily, m: usize, p: &StepPtrs) -> Result<()> {
+    fn launch_family(&self, stream: &Arc<CudaStream>, family: KernelFamily, m: usize, p: &StepPtrs) -> Result<()> {
         tracing::debug!(%family, m, "forward");
         match family {
             KernelFamily::GroupedGemm => {
                 let g = self.grouped_path()?;
-                g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
-                g.forward(&self.stream, &self.spec, m, p, self.deterministic)
+                g.reserve(stream, &self.spec, m, self.deterministic)?;
+                g.forward(stream, &self.spec, m, p, self.deterministic)
             }
-            _ => self.decode.forward(&self.stream, &self.spec, m, p),
+            _ => self.decode.forward(stream, &self.spec, m, p),
         }
-    }
-
-    fn check_ids(&self, topk_ids: &CudaSlice<i32>) -> Result<()> {
-        let ids = self.stream.clone_dtoh(topk_ids)?;
-        validate_ids(&ids, self.spec.experts())
     }
 }
 

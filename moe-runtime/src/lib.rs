@@ -19,6 +19,7 @@ pub mod testing;
 pub mod timing;
 mod tma;
 pub mod toolkit;
+pub mod view;
 pub mod weights;
 
 pub use cache::DiskCache;
@@ -29,4 +30,5 @@ pub use families::decode::DEFAULT_MAX_TOKEN_TILE;
 pub use families::grouped::Alignment;
 pub use jit::{cache_key, compile, CompileOptions, Compiled};
 pub use layer::{validate_ids, ActElem, MoeLayer, DEFAULT_PREFILL_THRESHOLD};
-pub use weights::HostWeights;
+pub use view::{DeviceTensor, DeviceTensorMut, TopkIds};
+pub use weights::{DeviceWeights, HostWeights, Weights};

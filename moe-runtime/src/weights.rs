@@ -4,7 +4,10 @@
 //! per expert and matrix, so gate and up of one expert share theirs).
 
 use crate::error::{Result, RuntimeError};
+use crate::view::DeviceTensor;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use moe_codegen::{MoeSpec, QuantError};
+use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub struct HostWeights {
@@ -29,20 +32,7 @@ impl HostWeights {
 
     /// Check sizes against the spec.
     pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
-        let f = spec.weight_format();
-        let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
-        let check = |what, got: usize, expected: usize| {
-            if got == expected {
-                Ok(())
-            } else {
-                Err(RuntimeError::Shape { what, expected: format!("{expected} bytes"), got: format!("{got}") })
-            }
-        };
-        check("w13 bytes", self.w13.len(), f.data_bytes(e * 2 * i, h))?;
-        check("w2 bytes", self.w2.len(), f.data_bytes(e * h, i))?;
-        check("w13_scales", self.w13_scales.len(), f.scale_bytes(e, 2 * i, h))?;
-        check("w2_scales", self.w2_scales.len(), f.scale_bytes(e, h, i))?;
-        Ok(())
+        check_sizes(spec, [self.w13.len(), self.w13_scales.len(), self.w2.len(), self.w2_scales.len()])
     }
 
     /// Row `r` of expert `e`'s `w13` (`r < 2I`), dequantized exactly as the kernels read it.
@@ -54,5 +44,113 @@ impl HostWeights {
     pub fn w2_row(&self, spec: &MoeSpec, e: usize, r: usize) -> Vec<f32> {
         let (n, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
         spec.weight_format().dequantize_row(&self.w2, &self.w2_scales, n, n * h, i, e * h + r)
+    }
+}
+
+/// `[w13, w13_scales, w2, w2_scales]` byte counts against the spec's layout.
+fn check_sizes(spec: &MoeSpec, [w13, w13_scales, w2, w2_scales]: [usize; 4]) -> Result<()> {
+    let f = spec.weight_format();
+
+    let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
+    let check = |what, got: usize, expected: usize| {
+        if got == expected {
+            Ok(())
+        } else {
+            Err(RuntimeError::Shape { what, expected: format!("{expected} bytes"), got: format!("{got}") })
+        }
+    };
+    check("w13 bytes", w13, f.data_bytes(e * 2 * i, h))?;
+    check("w2 bytes", w2, f.data_bytes(e * h, i))?;
+    check("w13_scales", w13_scales, f.scale_bytes(e, 2 * i, h))?;
+    check("w2_scales", w2_scales, f.scale_bytes(e, h, i))?;
+    Ok(())
+}
+
+/// Expert weights already on the device, in [`HostWeights`]' layout, moved into the layer that
+/// is built from them (no copy). `None` scales: the format has none.
+#[derive(Debug)]
+pub struct DeviceWeights {
+    pub w13: CudaSlice<u8>,
+    pub w13_scales: Option<CudaSlice<u8>>,
+    pub w2: CudaSlice<u8>,
+    pub w2_scales: Option<CudaSlice<u8>>,
+}
+
+impl DeviceWeights {
+    /// Copies of device memory the caller filled (device to device, on `stream`, which is
+    /// synchronised before returning so the caller may reuse its buffers).
+    pub fn copy_from(
+        stream: &Arc<CudaStream>,
+        w13: DeviceTensor<'_, u8>,
+        w13_scales: Option<DeviceTensor<'_, u8>>,
+        w2: DeviceTensor<'_, u8>,
+        w2_scales: Option<DeviceTensor<'_, u8>>,
+    ) -> Result<DeviceWeights> {
+        let copy = |t: DeviceTensor<'_, u8>| -> Result<CudaSlice<u8>> {
+            let mut dst = stream.alloc_zeros::<u8>(t.len().max(1))?;
+            if !t.is_empty() {
+                let (d, _g) = dst.device_ptr_mut(stream);
+                unsafe { cudarc::driver::result::memcpy_dtod_async(d, t.ptr(), t.len(), stream.cu_stream())? };
+            }
+            Ok(dst)
+        };
+        let w = DeviceWeights {
+            w13: copy(w13)?,
+            w13_scales: w13_scales.map(copy).transpose()?,
+            w2: copy(w2)?,
+            w2_scales: w2_scales.map(copy).transpose()?,
+        };
+        stream.synchronize()?;
+        Ok(w)
+    }
+
+    /// Check sizes against the spec.
+    pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
+        let len = |s: &Option<CudaSlice<u8>>| s.as_ref().map_or(0, |s| s.len());
+        check_sizes(spec, [self.w13.len(), len(&self.w13_scales), self.w2.len(), len(&self.w2_scales)])
+    }
+}
+
+/// Where a layer's weights come from: the host (uploaded) or the device (moved in).
+#[derive(Debug)]
+pub enum Weights<'a> {
+    Host(&'a HostWeights),
+    Device(Box<DeviceWeights>),
+}
+
+impl<'a> From<&'a HostWeights> for Weights<'a> {
+    fn from(w: &'a HostWeights) -> Self {
+        Weights::Host(w)
+    }
+}
+
+impl From<DeviceWeights> for Weights<'_> {
+    fn from(w: DeviceWeights) -> Self {
+        Weights::Device(Box::new(w))
+    }
+}
+
+impl Weights<'_> {
+    /// Check sizes against the spec.
+    pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
+        match self {
+            Weights::Host(w) => w.validate(spec),
+            Weights::Device(w) => w.validate(spec),
+        }
+    }
+
+    /// `[w13, w13_scales, w2, w2_scales]` on the device (a 16-byte zero buffer for absent scales,
+    /// so every kernel pointer is valid).
+    pub(crate) fn into_device(self, stream: &Arc<CudaStream>) -> Result<[CudaSlice<u8>; 4]> {
+        let empty = || stream.alloc_zeros::<u8>(16);
+        Ok(match self {
+            Weights::Host(w) => {
+                let up = |v: &[u8]| if v.is_empty() { empty() } else { stream.clone_htod(v) };
+                [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?]
+            }
+            Weights::Device(w) => {
+                [w.w13, w.w13_scales.map_or_else(empty, Ok)?, w.w2, w.w2_scales.map_or_else(empty, Ok)?]
+            }
+        })
     }
 }

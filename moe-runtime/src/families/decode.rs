@@ -68,6 +68,8 @@ pub(crate) struct DecodeFamily {
     pub fused: bool,
     /// The largest token tile a step may pick.
     pub max_token_tile: u32,
+    /// Narrows int64 routing ids to int32 (`moe_ids_from_i64`).
+    ids_from_i64: CudaFunction,
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
@@ -101,6 +103,7 @@ impl DecodeFamily {
             let fused = module.load_function(&format!("moe_fused_t{t}"))?;
             tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up, fused });
         }
+        let ids_from_i64 = module.load_function("moe_ids_from_i64")?;
         let down_f = module.load_function("moe_down")?;
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let stash_f = module.load_function("moe_down_stash")?;
@@ -144,6 +147,7 @@ impl DecodeFamily {
             // Measured on the H100 (docs/decode-notes.md): the split pair is faster.
             fused: false,
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
+            ids_from_i64,
             chunk,
         })
     }
@@ -151,6 +155,17 @@ impl DecodeFamily {
     /// Whether one-token steps take the bulk gate_up and the bulk down.
     pub fn bulk_one_token(&self) -> (bool, bool) {
         (self.bulk_gate_up.is_some(), self.bulk_down.is_some())
+    }
+
+    /// `out[i] = in[i]` for `n` int64 ids narrowed to int32 (-1 where out of range), on `stream`
+    /// after the work before it (a plain launch: the kernels that follow read `out` after their
+    /// programmatic wait on it).
+    pub fn narrow_ids(&self, stream: &CudaStream, input: u64, out: u64, n: usize) -> Result<()> {
+        let (mut i, mut o, mut n32) = (input, out, n as i32);
+        let mut args =
+            [&mut i as *mut u64 as *mut c_void, &mut o as *mut u64 as *mut c_void, &mut n32 as *mut i32 as *mut c_void];
+        let grid = n.div_ceil(256).clamp(1, 4 * self.sms as usize) as u32;
+        unsafe { launch(&self.ids_from_i64, stream, grid, 256, 0, false, &mut args) }
     }
 
     /// The most tokens one launch takes.
