@@ -43,7 +43,9 @@ pub enum DequantVariant {
 }
 
 impl DequantVariant {
+    /// Every variant (not every format has each; see [`crate::WeightFormat::dequant_variants`]).
     pub const ALL: [DequantVariant; 3] = [DequantVariant::Lut, DequantVariant::Bits, DequantVariant::Hardware];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`lut`, `bits`, `hardware`).
     pub const fn name(self) -> &'static str {
         match self {
             DequantVariant::Lut => "lut",

@@ -1,8 +1,9 @@
 //! Weight formats: how a `[rows, cols]` matrix (rows = output channels N, cols = the reduction
 //! axis K) is stored, quantized and dequantized. The CUDA side of a format is one element codec
-//! include (`templates/dequant_<codec>.cuh`, one section per [`DequantVariant`]) plus one scale
-//! include (`templates/scales_<layout>.cuh`), picked by `templates/dequant.cuh`; kernel families
-//! never special-case a format beyond that.
+//! include (`templates/dequant_<codec>.cuh`, one section per
+//! [`DequantVariant`](crate::DequantVariant)) plus one scale include
+//! (`templates/scales_<layout>.cuh`), picked by `templates/dequant.cuh`; kernel families never
+//! special-case a format beyond that.
 //!
 //! # Packed layouts
 //!
@@ -92,17 +93,22 @@ pub enum WeightFormat {
 /// How one element is coded: what the kernels' `dequant_vec` decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Codec {
+    /// bfloat16.
     Bf16,
+    /// IEEE half.
     Fp16,
+    /// FP8 e4m3fn byte.
     E4m3,
     /// Two's complement i8.
     Int8,
     /// Unsigned nibble minus a zero point (8 for the symmetric formats).
     Uint4,
+    /// FP4 e2m1 nibble.
     E2m1,
 }
 
 impl Codec {
+    /// The codec's include suffix: `dequant_<name>.cuh`.
     pub const fn name(self) -> &'static str {
         match self {
             Codec::Bf16 => "bf16",
@@ -118,6 +124,7 @@ impl Codec {
 /// Where a format's scales live and what one covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ScaleLayout {
+    /// No scales.
     None,
     /// One f32 per row.
     RowF32,
@@ -125,14 +132,17 @@ pub enum ScaleLayout {
     Block128F32,
     /// One E8M0 byte per `group` elements along K.
     E8m0 {
+        /// Elements along K per scale.
         group: u32,
     },
     /// One f16 per `group` elements along K.
     GroupF16 {
+        /// Elements along K per scale.
         group: u32,
     },
     /// One u32 record (f16 scale, u8 zero point) per `group` elements along K; `group == 0`: one per row.
     GroupF16Zero {
+        /// Elements along K per record; 0: one record per row.
         group: u32,
     },
     /// One e4m3 byte per 16 along K, after one f32 global per tensor.
@@ -140,6 +150,7 @@ pub enum ScaleLayout {
 }
 
 impl ScaleLayout {
+    /// The layout's include suffix: `scales_<name>.cuh`.
     pub const fn name(self) -> &'static str {
         match self {
             ScaleLayout::None => "none",
@@ -167,16 +178,56 @@ impl ScaleLayout {
 /// Why quantization refused its input.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QuantError {
+    /// A weight is NaN or infinite.
     #[error("weight at row {row}, column {col} is {value}: NaN and infinities cannot be quantized")]
-    NonFinite { row: usize, col: usize, value: f32 },
+    NonFinite {
+        /// Row of the weight (across all tensors).
+        row: usize,
+        /// Column of the weight.
+        col: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// The value count does not match `rows * cols`.
     #[error("expected {expected} values for a {rows}x{cols} matrix, got {got}")]
-    Shape { rows: usize, cols: usize, expected: usize, got: usize },
+    Shape {
+        /// Rows asked for.
+        rows: usize,
+        /// Columns asked for.
+        cols: usize,
+        /// `rows * cols`.
+        expected: usize,
+        /// Values given.
+        got: usize,
+    },
+    /// The format cannot lay out a matrix of this shape (e.g. K not a multiple of its group).
     #[error("{format} cannot store a {rows}x{cols} matrix: {why}")]
-    Layout { format: WeightFormat, rows: usize, cols: usize, why: &'static str },
+    Layout {
+        /// The weight format.
+        format: WeightFormat,
+        /// Rows asked for.
+        rows: usize,
+        /// Columns asked for.
+        cols: usize,
+        /// What the shape violates.
+        why: &'static str,
+    },
+    /// A weight beyond what the format's f16 group scale can reach.
     #[error(
         "weight at row {row}, column {col} is {value}: {format} holds magnitudes up to {max} (its f16 scale saturates)"
     )]
-    OutOfRange { format: WeightFormat, row: usize, col: usize, value: f32, max: f32 },
+    OutOfRange {
+        /// The weight format.
+        format: WeightFormat,
+        /// Row of the weight (across all tensors).
+        row: usize,
+        /// Column of the weight.
+        col: usize,
+        /// The value found.
+        value: f32,
+        /// The largest magnitude the format holds.
+        max: f32,
+    },
 }
 
 /// A quantized `[rows, cols]` matrix: `tensors` stacked matrices of `rows / tensors` rows each
@@ -184,10 +235,15 @@ pub enum QuantError {
 /// the module docs say.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
+    /// Rows of all tensors together (`R = T * N`).
     pub rows: usize,
+    /// Columns (K, the reduction axis).
     pub cols: usize,
+    /// Stacked matrices (`T`, the experts).
     pub tensors: usize,
+    /// The codes, row-major, packed along K.
     pub data: Vec<u8>,
+    /// The scale bytes (empty for formats without scales).
     pub scales: Vec<u8>,
 }
 
@@ -198,6 +254,7 @@ const INT4_QMAX: f32 = 7.0;
 const NVFP4_RANGE: f32 = E4M3_MAX * E2M1_MAX;
 
 impl WeightFormat {
+    /// Every weight format.
     pub const ALL: [WeightFormat; 19] = [
         WeightFormat::Bf16,
         WeightFormat::Fp16,
@@ -224,6 +281,7 @@ impl WeightFormat {
                                      int4, int4_g32, int4_g64, int4_g128, int4_asym, int4_asym_g32, int4_asym_g64, \
                                      int4_asym_g128, nvfp4, mxfp4";
 
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use, e.g. `int4_g128`.
     pub const fn name(self) -> &'static str {
         match self {
             WeightFormat::Bf16 => "bf16",
@@ -248,6 +306,7 @@ impl WeightFormat {
         }
     }
 
+    /// How one element is coded.
     pub const fn codec(self) -> Codec {
         use WeightFormat::*;
         match self {
@@ -260,6 +319,7 @@ impl WeightFormat {
         }
     }
 
+    /// Where the format's scales live and what one covers.
     pub const fn scale_layout(self) -> ScaleLayout {
         use WeightFormat::*;
         match self {

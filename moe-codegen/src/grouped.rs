@@ -29,6 +29,7 @@ pub struct GemmTiles {
     /// GEMM blocks meant to be resident per SM (their `__launch_bounds__`): two blocks hide each
     /// other's barriers, epilogues and pipeline fills, at half the registers and shared memory.
     pub blocks_per_sm: u32,
+    /// The tensor-core instruction the tiles are computed with.
     pub mma: Mma,
     /// wgmma only: a producer warpgroup (TMA for the weights, cp.async for the gathered rows)
     /// feeds two consumer warpgroups through mbarriers, persistently across tiles. Otherwise

@@ -1,7 +1,9 @@
 //! moeforge codegen: the MoE layer's description ([`MoeSpec`]) and its rendering into CUDA C.
 //!
 //! Pure Rust with no CUDA dependency: everything here runs in unit tests in milliseconds.
-//! Data flows one way: `MoeSpec` -> [`render`] -> [`KernelSource`] -> (moe-runtime) NVRTC.
+//! Data flows one way: `MoeSpec` -> [`render()`] -> [`KernelSource`] -> (moe-runtime) NVRTC.
+
+#![warn(missing_docs)]
 
 pub mod dequant;
 pub mod format;

@@ -10,6 +10,7 @@ pub const E2M1_MAX: f32 = 6.0;
 /// `floor(log2(max))` of the MX element types: the OCP MX shared exponent is
 /// `floor(log2(amax)) - emax`, so the block maximum lands in `[2^emax, 2^(emax+1))`.
 pub const E4M3_EMAX: i32 = 8;
+/// `floor(log2(max))` of e2m1 (largest value 6), the `emax` of MXFP4's shared exponent.
 pub const E2M1_EMAX: i32 = 2;
 
 /// Decode one e4m3fn byte (bias 7, no infinities, 0x7f/0xff are NaN).

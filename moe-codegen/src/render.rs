@@ -10,14 +10,39 @@ use askama::Template;
 /// Why a kernel could not be rendered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodegenError {
+    /// askama failed to render a template (its message).
     #[error("template rendering failed: {0}")]
     Template(String),
+    /// The family cannot serve this spec on this arch.
     #[error("{family} does not support {what} on {arch}")]
-    Unsupported { family: KernelFamily, arch: Arch, what: String },
+    Unsupported {
+        /// The kernel family asked for.
+        family: KernelFamily,
+        /// The arch asked for.
+        arch: Arch,
+        /// What it lacks, e.g. the weight format or the geometry.
+        what: String,
+    },
+    /// The spec's dequant variant does not exist for its format on this arch.
     #[error("dequant = {variant} is not available for {format} weights on {arch}: {why}")]
-    DequantUnavailable { format: WeightFormat, variant: DequantVariant, arch: Arch, why: &'static str },
+    DequantUnavailable {
+        /// The spec's weight format.
+        format: WeightFormat,
+        /// The variant named or defaulted.
+        variant: DequantVariant,
+        /// The arch rendered for.
+        arch: Arch,
+        /// Why the variant is missing there.
+        why: &'static str,
+    },
+    /// The dequant probe could not be rendered for this format.
     #[error("dequant probe of {format}: {why}")]
-    Probe { format: WeightFormat, why: String },
+    Probe {
+        /// The weight format probed.
+        format: WeightFormat,
+        /// Why the probe was refused.
+        why: String,
+    },
 }
 
 /// What `templates/dequant.cuh` needs to pick and fill a format's includes.
@@ -135,16 +160,19 @@ pub struct DecodeTiles {
     /// shared memory with bulk copies; the bulk down loads its w2 before gate_up has finished.
     /// Either may pair with the other's register-fed kernel.
     pub bulk_gu: bool,
+    /// Whether one-token steps take the bulk down (`moe_down_bulk`); see `bulk_gu`.
     pub bulk_dn: bool,
     /// Consumer warps of the bulk gate_up (its tile: that many neurons, gate and up rows) and
     /// of the bulk down (its tile: that many rows of w2 per slot); each block adds a producer warp.
     pub bulk_gu_warps: u32,
+    /// Consumer warps of the bulk down; see `bulk_gu_warps`.
     pub bulk_dn_warps: u32,
     /// Whether the bulk down keeps the intermediate as fp16 pairs (scaled per row) and dots them
     /// with pair-FMAs, for codecs with a packed-half decode; else fp32 rows.
     pub bulk_dn_h2: bool,
     /// Tiles in the bulk gate_up's ring and in the bulk down's, 1 to 8.
     pub bulk_gu_stages: u32,
+    /// Tiles in the bulk down's ring, 1 to 8; see `bulk_gu_stages`.
     pub bulk_dn_stages: u32,
 }
 
@@ -246,10 +274,13 @@ impl DecodeTiles {
 /// Rendered CUDA C for one (spec, family, arch), ready for NVRTC.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelSource {
+    /// The kernel family rendered.
     pub family: KernelFamily,
+    /// The arch it was rendered for (NVRTC's `--gpu-architecture`).
     pub arch: Arch,
     /// A readable module name, e.g. `warp_decode_h2048_i768_e128_k8_bf16_bf16_silu`.
     pub name: String,
+    /// The CUDA C, every constant baked in.
     pub source: String,
     /// `extern "C"` entry points the module defines.
     pub entry_points: Vec<String>,

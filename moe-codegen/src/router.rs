@@ -9,7 +9,10 @@ use std::fmt;
 pub enum Router {
     /// `p = softmax(logits)`, the `top_k` largest, weights `p` (renormalised to sum 1 if asked:
     /// Qwen3, Mixtral, gpt-oss renormalise; OLMoE does not).
-    Softmax { renormalize: bool },
+    Softmax {
+        /// Rescale the chosen weights to sum to 1.
+        renormalize: bool,
+    },
     /// DeepSeek-V3: `s = sigmoid(logits)`, choice by `s + bias` (a per-expert correction bias)
     /// within the `topk_groups` best of `groups` contiguous expert groups (a group scores the sum
     /// of its two best), weights `s` of the chosen (renormalised if asked) times `scaling`.
@@ -20,16 +23,21 @@ pub enum Router {
 /// and hashable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct GroupLimited {
+    /// Contiguous expert groups (must divide the expert count).
     pub groups: u32,
+    /// Groups kept per token, by the sum of each group's two best `s + bias`.
     pub topk_groups: u32,
+    /// Rescale the chosen weights to sum to 1 before `scaling`.
     pub renormalize: bool,
     scaling_bits: u32,
 }
 
 impl GroupLimited {
+    /// The parameters, `scaling` being the factor applied to the final weights.
     pub fn new(groups: u32, topk_groups: u32, renormalize: bool, scaling: f32) -> GroupLimited {
         GroupLimited { groups, topk_groups, renormalize, scaling_bits: scaling.to_bits() }
     }
+    /// The factor applied to the final routing weights.
     pub fn scaling(&self) -> f32 {
         f32::from_bits(self.scaling_bits)
     }

@@ -14,22 +14,78 @@ pub const MAX_TOP_K: u32 = 32;
 /// Why a spec was refused. Every message names the field, what came and what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
+    /// A size that must be positive is zero.
     #[error("`{field}` must be greater than zero")]
-    Zero { field: &'static str },
+    Zero {
+        /// The spec field (`hidden`, `intermediate`, `experts`, `top_k`).
+        field: &'static str,
+    },
+    /// More experts per token than the layer has.
     #[error("top_k = {top_k} exceeds experts = {experts}")]
-    TopKExceedsExperts { top_k: u32, experts: u32 },
+    TopKExceedsExperts {
+        /// The requested experts per token.
+        top_k: u32,
+        /// The layer's expert count.
+        experts: u32,
+    },
+    /// A size above what the kernels support ([`MAX_EXPERTS`], [`MAX_TOP_K`]).
     #[error("`{field}` = {value} exceeds the supported maximum {max}")]
-    TooLarge { field: &'static str, value: u32, max: u32 },
+    TooLarge {
+        /// The spec field.
+        field: &'static str,
+        /// The value given.
+        value: u32,
+        /// The largest value supported.
+        max: u32,
+    },
+    /// A size that must be a multiple of a vector width, scale group or block is not.
     #[error("`{field}` = {value} is not a multiple of {divisor} ({why})")]
-    NotDivisible { field: &'static str, value: u32, divisor: u32, why: &'static str },
+    NotDivisible {
+        /// The spec field.
+        field: &'static str,
+        /// The value given.
+        value: u32,
+        /// What it must be a multiple of.
+        divisor: u32,
+        /// Where the divisor comes from.
+        why: &'static str,
+    },
+    /// A name (arch, format, activation, ...) that parses to nothing known.
     #[error("unknown {what} `{got}`; expected one of: {expected}")]
-    Unknown { what: &'static str, got: String, expected: &'static str },
+    Unknown {
+        /// What was being parsed, e.g. `arch`.
+        what: &'static str,
+        /// The text given.
+        got: String,
+        /// The accepted names, comma-separated.
+        expected: &'static str,
+    },
+    /// An activation dtype the weight format cannot be combined with.
     #[error("activation dtype {act} does not go with weight format {format}: {why}")]
-    ActDtypeMismatch { act: ActDtype, format: WeightFormat, why: &'static str },
+    ActDtypeMismatch {
+        /// The activation dtype given.
+        act: ActDtype,
+        /// The weight format given.
+        format: WeightFormat,
+        /// Why the pair is refused.
+        why: &'static str,
+    },
+    /// A router the layer's experts and top-k cannot serve.
     #[error("router: {why}")]
-    Router { why: String },
+    Router {
+        /// What is wrong with the router.
+        why: String,
+    },
+    /// A dequant variant the weight format does not have.
     #[error("weight format {format} has no dequant variant `{variant}`: {why}")]
-    DequantUnsupported { format: WeightFormat, variant: DequantVariant, why: &'static str },
+    DequantUnsupported {
+        /// The weight format.
+        format: WeightFormat,
+        /// The variant named.
+        variant: DequantVariant,
+        /// Why the format lacks it.
+        why: &'static str,
+    },
 }
 
 /// The gated activation applied between the up and down projections: `act(gate) * up`.
@@ -42,7 +98,9 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// Every activation.
     pub const ALL: [Activation; 2] = [Activation::Silu, Activation::GeluTanh];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`silu`, `gelu_tanh`).
     pub const fn name(self) -> &'static str {
         match self {
             Activation::Silu => "silu",
@@ -64,12 +122,16 @@ impl Activation {
 /// Element type of the activations `x` and the output `y`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum ActDtype {
+    /// bfloat16 (`__nv_bfloat16`).
     Bf16,
+    /// IEEE half precision (`__half`).
     Fp16,
 }
 
 impl ActDtype {
+    /// Every activation dtype.
     pub const ALL: [ActDtype; 2] = [ActDtype::Bf16, ActDtype::Fp16];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`bf16`, `fp16`).
     pub const fn name(self) -> &'static str {
         match self {
             ActDtype::Bf16 => "bf16",
@@ -108,6 +170,7 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every arch moeforge renders for.
     pub const ALL: [Arch; 3] = [Arch::Sm90a, Arch::Sm100a, Arch::Sm120a];
     /// The NVRTC `--gpu-architecture` value.
     pub const fn name(self) -> &'static str {
@@ -140,7 +203,9 @@ pub enum KernelFamily {
 }
 
 impl KernelFamily {
+    /// Every kernel family.
     pub const ALL: [KernelFamily; 2] = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`warp_decode`, `grouped_gemm`).
     pub const fn name(self) -> &'static str {
         match self {
             KernelFamily::WarpDecode => "warp_decode",
@@ -357,28 +422,35 @@ impl MoeSpec {
         })
     }
 
+    /// The model dimension: `x` and `y` rows, `w13`'s K, `w2`'s rows.
     pub const fn hidden(&self) -> u32 {
         self.hidden
     }
+    /// One expert's intermediate size: `w13` holds `2 * intermediate` rows, `w2`'s K.
     pub const fn intermediate(&self) -> u32 {
         self.intermediate
     }
+    /// The number of experts in the layer.
     pub const fn experts(&self) -> u32 {
         self.experts
     }
+    /// Experts each token is routed to.
     pub const fn top_k(&self) -> u32 {
         self.top_k
     }
+    /// The gated activation between the projections.
     pub const fn activation(&self) -> Activation {
         self.activation
     }
+    /// How `w13` and `w2` are stored.
     pub const fn weight_format(&self) -> WeightFormat {
         self.weight_format
     }
+    /// Element type of the activations `x` and the output `y`.
     pub const fn act_dtype(&self) -> ActDtype {
         self.act_dtype
     }
-    /// The dequant variant the spec names; `None`: the format's default on each arch.
+    /// How router logits become routing (default: softmax over every expert, top-k renormalised).
     pub const fn router(&self) -> Router {
         self.router
     }
@@ -390,6 +462,7 @@ impl MoeSpec {
         Ok(self)
     }
 
+    /// The dequant variant the spec names; `None`: the format's default on each arch.
     pub const fn dequant(&self) -> Option<DequantVariant> {
         self.dequant
     }
@@ -453,14 +526,17 @@ pub struct MoeSpecBuilder {
 }
 
 impl MoeSpecBuilder {
+    /// Set the activation (default: SiLU).
     pub const fn activation(mut self, a: Activation) -> Self {
         self.activation = a;
         self
     }
+    /// Set the weight format (default: bf16).
     pub const fn weight_format(mut self, f: WeightFormat) -> Self {
         self.weight_format = f;
         self
     }
+    /// Set the activation dtype (default: the format's, [`WeightFormat::default_act_dtype`]).
     pub const fn act_dtype(mut self, d: ActDtype) -> Self {
         self.act_dtype = Some(d);
         self
@@ -470,6 +546,7 @@ impl MoeSpecBuilder {
         self.dequant = Some(d);
         self
     }
+    /// Validate and build, with the same checks as [`MoeSpec::new_with_dequant`].
     pub const fn build(self) -> Result<MoeSpec, SpecError> {
         let act = match self.act_dtype {
             Some(d) => d,
