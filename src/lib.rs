@@ -5,7 +5,7 @@
 //! - [`moe_kernel`]: the attribute that declares a layer, checks its spec and renders its kernels
 //!   at compile time;
 //! - [`codegen`] (moe-codegen): the spec types ([`MoeSpec`], [`WeightFormat`], [`Arch`], ...) and
-//!   [`render`], which turns a spec into CUDA C; re-exported here at the top level;
+//!   [`render()`], which turns a spec into CUDA C; re-exported here at the top level;
 //! - [`runtime`] (moe-runtime): NVRTC JIT, the kernel cache, weight upload and launch.
 //!
 //! # Example
@@ -69,6 +69,8 @@
 //! #[moeforge::moe_kernel(hidden = 4096, intermediate = 14336, experts = 8, top_k = 9)]
 //! pub struct Mixtral;
 //! ```
+
+#![warn(missing_docs)]
 
 // Lets `#[moe_kernel]`'s `::moeforge::...` paths resolve inside this crate too.
 extern crate self as moeforge;

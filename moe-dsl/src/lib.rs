@@ -1,6 +1,8 @@
 //! The `#[moe_kernel]` attribute macro of moeforge. Use it through the facade, `moeforge::moe_kernel`:
 //! the code it generates names `::moeforge::codegen` and `::moeforge::runtime`.
 
+#![warn(missing_docs)]
+
 use proc_macro::TokenStream;
 
 mod args;
