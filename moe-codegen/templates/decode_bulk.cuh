@@ -115,6 +115,7 @@ __device__ __forceinline__ void bk_prefetch_w2(const int* __restrict__ ids, cons
     }
 }
 
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gate_up_bulk)
 extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, const uint4* __restrict__ w2, float* __restrict__ mid, int m,
@@ -190,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
         t = tn;
     }
 }
+#endif  // entry moe_gate_up_bulk
 
 // A consumer lane's scales for its flat vectors of hidden row h, one per slot's expert.
 struct BkDnScales {
@@ -271,6 +273,7 @@ __device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, floa
     }
 }
 
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down_bulk)
 extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
@@ -353,3 +356,4 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
         t = tn;
     }
 }
+#endif  // entry moe_down_bulk

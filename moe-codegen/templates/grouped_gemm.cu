@@ -174,6 +174,7 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
         }
     }
 }
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_quant_mid)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
               unsigned char* __restrict__ q, float* __restrict__ s) {
@@ -181,6 +182,7 @@ moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, 
     pdl_launch_dependents();
     quant_rows<INTER>(mid, 0, num_tiles, sorted_rows, q, s);
 }
+#endif  // entry moe_quant_mid
 
 {% include "prepare.cuh" %}
 
@@ -340,6 +342,7 @@ __device__ __forceinline__ void promote_part(const KScales& k, int p, const floa
 // BN1 / 2 gate rows, then the same neurons' up rows (two TMA boxes), so a consumer thread holds
 // neuron n's gate in fragment q and its up in fragment q + NF / 2. With TAIL, tile_span is
 // tile_span1 (GEMM1's own tiles) and num_tiles[2, 3] count them.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm1)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
           const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
@@ -520,6 +523,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
                                                   (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
                                                   ext_store);
 }
+#endif  // entry moe_gemm1
 
 template <bool ATOMIC>
 __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
@@ -626,6 +630,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
 // interleave by 8: 16 q + (0..7) are gate neurons nb + 8 q + (0..7), 16 q + (8..15) the up ones,
 // so one thread holds a neuron's gate and up accumulators.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm1)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
           const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
@@ -697,6 +702,7 @@ moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const 
             }
     }
 }
+#endif  // entry moe_gemm1
 
 // GEMM2: out = mid[pos] . w2_n for the pair p in row pos, times weight_p when added atomically
 // (store_out).
@@ -766,22 +772,27 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 #else
 #define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2, w2_scales, topk_weights, out
 #endif
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm2_atomic)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
                  const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
                  const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
     gemm2<true>(MOE_GEMM2_ARGS);
 }
+#endif  // entry moe_gemm2_atomic
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm2_rows)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
 moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
                const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
                const float* topk_weights, act_t* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
     gemm2<false>(MOE_GEMM2_ARGS);
 }
+#endif  // entry moe_gemm2_rows
 
 // The gather-reduce combine (deterministic): y[t] = sum over slots s, in slot order and in f32,
 // of topk_weights[t * K + s] * rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns
 // (16-byte loads).
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_combine_rows)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos,
                  const float* __restrict__ topk_weights, int m, act_t* __restrict__ y) {
@@ -807,8 +818,10 @@ moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_po
         *reinterpret_cast<uint4*>(y + t * HIDDEN + c) = *reinterpret_cast<const uint4*>(out);
     }
 }
+#endif  // entry moe_combine_rows
 
 // y = y32 in the activation dtype (after the atomic combine).
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_convert)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_convert(const float* __restrict__ y32, int m, act_t* __restrict__ y) {
     pdl_wait();  // a programmatic dependent of GEMM2
@@ -816,3 +829,4 @@ moe_convert(const float* __restrict__ y32, int m, act_t* __restrict__ y) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         y[i] = (act_t)y32[i];
 }
+#endif  // entry moe_convert

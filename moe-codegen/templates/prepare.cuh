@@ -33,6 +33,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned target) {
     __syncthreads();
 }
 
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare)
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
             float* __restrict__ topk_weights, const act_t* __restrict__ x, unsigned char* __restrict__ xq,
@@ -87,3 +88,4 @@ moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, in
         if (X_PER_ROW) xs_row[pos] = __ldcg(xs_token + t);
     }
 }
+#endif  // entry moe_prepare

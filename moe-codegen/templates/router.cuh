@@ -151,6 +151,7 @@ __device__ __forceinline__ int route_token(const float* __restrict__ logits, con
 {%- endif %}
 
 // Routing alone (the decode family's steps from logits; the grouped family's run in moe_prepare).
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
           float* __restrict__ topk_weights) {
@@ -159,3 +160,4 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
     const int t = blockIdx.x * ROUTE_WARPS + warp;
     if (t < m) route_token(logits, bias, t, scores[warp], topk_ids, topk_weights);
 }
+#endif  // entry moe_route

@@ -695,6 +695,7 @@ __device__ __forceinline__ void stage_pairs(const int* __restrict__ topk_ids, co
 // (the host sizes it from the occupancy), since down waits on counters other blocks bump.
 // ready[0..EXPERTS) counts finished gate_up passes per unique expert, ready[EXPERTS] finished
 // blocks; the last block clears them for the next step.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
@@ -710,9 +711,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     pdl_launch_dependents();
     down_phase<1, false, DN_ROWS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
+#endif  // entry moe_down
 // As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
 // memory before the wait: at M = 1, where each warp holds one item, more of it is in flight during
 // gate_up's tail (H100, Qwen3 fp8: 24.7 -> 21.0 us per layer with 4; 8 measured slower).
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down_stash)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
@@ -724,7 +727,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
     pdl_launch_dependents();  // as in moe_down
     down_phase<1, false, 1, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
 }
+#endif  // entry moe_down_stash
 {%- for mt in token_tiles %}
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gate_up_t{{ mt }})
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
     const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
@@ -738,6 +743,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
     gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr, first, loaded);
 }
+#endif  // entry moe_gate_up_t{{ mt }}
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_fused_t{{ mt }})
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
     const uint4* __restrict__ w13, const void* __restrict__ w13_scales, const uint4* __restrict__ w2,
@@ -773,11 +780,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
     // Launched last so a dependent can never take the SM slots this grid still waits for.
     pdl_launch_dependents();
 }
+#endif  // entry moe_fused_t{{ mt }}
 {%- endfor %}
 {% include "decode_bulk.cuh" %}
 
 // Routing ids given as int64 (PyTorch's index type), narrowed to the int32 every kernel reads.
 // An id outside int32 becomes -1, which the kernels count as out of range and skip.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ids_from_i64)
 extern "C" __global__ void __launch_bounds__(256) moe_ids_from_i64(const long long* __restrict__ in,
                                                                    int* __restrict__ out, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -785,3 +794,4 @@ extern "C" __global__ void __launch_bounds__(256) moe_ids_from_i64(const long lo
         out[i] = (v < -2147483648LL || v > 2147483647LL) ? -1 : (int)v;
     }
 }
+#endif  // entry moe_ids_from_i64

@@ -5,7 +5,7 @@ use crate::cache::{DiskCache, Outcome};
 use crate::error::{Result, RuntimeError};
 use crate::jit::{cache_key, CompileOptions};
 use crate::toolkit::toolkit;
-use cudarc::driver::{sys, CudaContext, CudaModule, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use dashmap::DashMap;
 use moe_codegen::{Arch, KernelSource};
@@ -13,6 +13,7 @@ use std::sync::{Arc, LazyLock};
 
 static MODULES: LazyLock<DashMap<(usize, String), Arc<CudaModule>>> = LazyLock::new(DashMap::new);
 
+#[derive(Clone)]
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -77,12 +78,25 @@ impl Device {
         self.ctx.name().unwrap_or_else(|_| "unknown".into())
     }
 
-    /// Build into the disk cache every source it lacks, one NVRTC compile per core at a time, so
-    /// that the `load`s that follow only read the cache (test and benchmark setup: a module takes
-    /// seconds to compile).
+    /// Build into the disk cache every entry point of every source it lacks (each its own
+    /// module, as [`Device::functions`] loads them), one NVRTC compile per core at a time, so
+    /// that the loads that follow only read the cache.
     pub fn prepare(&self, sources: &[KernelSource]) -> Result<()> {
+        let items: Vec<(&KernelSource, &str)> =
+            sources.iter().flat_map(|s| s.entry_points.iter().map(move |e| (s, e.as_str()))).collect();
+        self.compile_entries(&items)
+    }
+
+    /// Compile into the disk cache (not into memory) each `(source, entry point)` module that
+    /// neither holds, in parallel.
+    pub fn compile_entries(&self, items: &[(&KernelSource, &str)]) -> Result<()> {
         let opts = CompileOptions::for_arch(toolkit()?, self.arch);
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(sources.len()).max(1);
+        let todo: Vec<(&KernelSource, CompileOptions)> = items
+            .iter()
+            .map(|&(src, e)| (src, opts.for_entry(e)))
+            .filter(|(src, o)| !MODULES.contains_key(&(self.ctx.ordinal(), cache_key(src, o))))
+            .collect();
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(todo.len()).max(1);
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|sc| {
             let workers: Vec<_> = (0..threads)
@@ -90,8 +104,8 @@ impl Device {
                     sc.spawn(|| -> Result<()> {
                         loop {
                             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let Some(src) = sources.get(i) else { return Ok(()) };
-                            self.cache.get_or_compile(src, &opts)?;
+                            let Some((src, o)) = todo.get(i) else { return Ok(()) };
+                            self.cache.get_or_compile(src, o)?;
                         }
                     })
                 })
@@ -100,8 +114,21 @@ impl Device {
         })
     }
 
-    /// The loaded module for `src`: from memory, else from the disk cache, else compiled.
-    pub fn load(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
+    /// The functions `entries` of `src`, each from its own module (compiled in parallel where
+    /// neither memory nor the disk cache holds it).
+    pub fn functions(&self, src: &KernelSource, entries: &[&str]) -> Result<Vec<CudaFunction>> {
+        self.check_arch(src)?;
+        self.compile_entries(&entries.iter().map(|&e| (src, e)).collect::<Vec<_>>())?;
+        let opts = CompileOptions::for_arch(toolkit()?, self.arch);
+        entries.iter().map(|&e| self.load_with(src, &opts.for_entry(e))?.load_function(e).map_err(Into::into)).collect()
+    }
+
+    /// The function `entry` of `src` (see [`Device::functions`]).
+    pub fn function(&self, src: &KernelSource, entry: &str) -> Result<CudaFunction> {
+        Ok(self.functions(src, &[entry])?.remove(0))
+    }
+
+    fn check_arch(&self, src: &KernelSource) -> Result<()> {
         if src.arch != self.arch {
             return Err(RuntimeError::Shape {
                 what: "kernel arch",
@@ -109,12 +136,21 @@ impl Device {
                 got: src.arch.to_string(),
             });
         }
-        let opts = CompileOptions::for_arch(toolkit()?, self.arch);
-        let key = (self.ctx.ordinal(), cache_key(src, &opts));
+        Ok(())
+    }
+
+    /// The loaded module for `src`: from memory, else from the disk cache, else compiled.
+    pub fn load(&self, src: &KernelSource) -> Result<Arc<CudaModule>> {
+        self.check_arch(src)?;
+        self.load_with(src, &CompileOptions::for_arch(toolkit()?, self.arch))
+    }
+
+    fn load_with(&self, src: &KernelSource, opts: &CompileOptions) -> Result<Arc<CudaModule>> {
+        let key = (self.ctx.ordinal(), cache_key(src, opts));
         if let Some(m) = MODULES.get(&key) {
             return Ok(m.clone());
         }
-        let (cubin, outcome) = self.cache.get_or_compile(src, &opts)?;
+        let (cubin, outcome) = self.cache.get_or_compile(src, opts)?;
         if outcome != Outcome::Hit {
             tracing::info!(module = %src.name, ?outcome, "kernel built");
         }

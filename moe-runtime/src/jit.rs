@@ -29,6 +29,16 @@ impl CompileOptions {
         ];
         CompileOptions { arch, options, nvrtc_version: tk.nvrtc_version }
     }
+
+    /// These options for a module of one entry point of a source: the templates guard each
+    /// kernel with `#if !defined(MOE_ONLY) || defined(MOE_ONLY_<entry>)`, so a layer's kernels
+    /// compile as separate modules, in parallel.
+    pub fn for_entry(&self, entry: &str) -> CompileOptions {
+        let mut o = self.clone();
+        o.options.push("-DMOE_ONLY".into());
+        o.options.push(format!("-DMOE_ONLY_{entry}"));
+        o
+    }
 }
 
 /// The cache key: blake3 of (rendered source, NVRTC version, every option, arch).

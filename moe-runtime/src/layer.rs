@@ -88,7 +88,13 @@ impl MoeLayer {
         weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
         let grouped = match moe_codegen::grouped_support(&spec) {
-            Ok(()) => Ok(GroupedPath::load(device, &spec)?),
+            Ok(()) => {
+                let tiles = moe_codegen::GemmTiles::for_spec(&spec, device.arch());
+                let gsrc = moe_codegen::render_grouped(&spec, device.arch(), tiles)?;
+                // Both families' kernels in one parallel batch of compiles.
+                compile_all(device, &[&src, &gsrc])?;
+                Ok(GroupedPath::with_source(device, &spec, tiles, &gsrc)?)
+            }
             Err(why) => Err(why),
         };
         MoeLayer::build(device, spec, src, grouped, weights)
@@ -105,6 +111,7 @@ impl MoeLayer {
     ) -> Result<MoeLayer> {
         let arch = device.arch();
         let find = |family| sources.iter().find(|s| s.family == family && s.arch == arch);
+        compile_all(device, &sources.iter().filter(|s| s.arch == arch).collect::<Vec<_>>())?;
         let decode = find(KernelFamily::WarpDecode)
             .ok_or(RuntimeError::MissingSource { family: KernelFamily::WarpDecode, arch })?
             .clone();
@@ -501,6 +508,13 @@ impl MoeLayer {
             _ => self.decode.forward(stream, &self.spec, m, p),
         }
     }
+}
+
+/// Compile every entry point of `sources` (each its own module) in one parallel batch.
+fn compile_all(device: &Device, sources: &[&KernelSource]) -> Result<()> {
+    let items: Vec<(&KernelSource, &str)> =
+        sources.iter().flat_map(|s| s.entry_points.iter().map(move |e| (*s, e.as_str()))).collect();
+    device.compile_entries(&items)
 }
 
 /// Every id in `[0, experts)`, else a typed error naming the first offender.

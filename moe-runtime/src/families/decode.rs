@@ -90,35 +90,44 @@ impl DecodeFamily {
                 got: format!("{dt:?}"),
             });
         }
-        let module = device.load(src)?;
         let stream = device.stream();
         let warps = src.block_threads / 32;
         let sizing_smem = routing_smem_bytes(spec, 64);
         let occ = |f: &CudaFunction| -> Result<u32> {
             Ok(f.occupancy_max_active_blocks_per_multiprocessor(warps * 32, sizing_smem as usize, None)?.max(1) as u32)
         };
+        let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
+        let bulk_gu = dt.bulk_gu && gu_smem <= device.max_smem_optin();
+        let bulk_dn = dt.bulk_dn && dn_smem <= device.max_smem_optin();
+        // Every kernel its own module, compiled in parallel.
+        let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
+        for t in TOKEN_TILES {
+            names.extend([format!("moe_gate_up_t{t}"), format!("moe_fused_t{t}")]);
+        }
+        names.extend(bulk_gu.then(|| "moe_gate_up_bulk".to_string()));
+        names.extend(bulk_dn.then(|| "moe_down_bulk".to_string()));
+        let mut fns = device.functions(src, &names.iter().map(String::as_str).collect::<Vec<_>>())?.into_iter();
+        let mut next = || fns.next().expect("one function per name");
+        let ids_from_i64 = next();
+        let down_f = next();
+        let stash_f = next();
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
-            let gate_up = module.load_function(&format!("moe_gate_up_t{t}"))?;
-            let fused = module.load_function(&format!("moe_fused_t{t}"))?;
+            let (gate_up, fused) = (next(), next());
             tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up, fused });
         }
-        let ids_from_i64 = module.load_function("moe_ids_from_i64")?;
-        let down_f = module.load_function("moe_down")?;
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
-        let stash_f = module.load_function("moe_down_stash")?;
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
-        let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
-        let bulk_fn = |on: bool, name: &str, smem: u32, warps: u32| -> Result<Option<BulkFn>> {
-            if !on || smem > device.max_smem_optin() {
+        let mut bulk_fn = |on: bool, smem: u32, warps: u32| -> Result<Option<BulkFn>> {
+            if !on {
                 return Ok(None);
             }
-            let f = module.load_function(name)?;
+            let f = next();
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
             Ok(Some(BulkFn { f, smem, threads: (warps + 1) * 32 }))
         };
-        let bulk_gate_up = bulk_fn(dt.bulk_gu, "moe_gate_up_bulk", gu_smem, dt.bulk_gu_warps)?;
-        let bulk_down = bulk_fn(dt.bulk_dn, "moe_down_bulk", dn_smem, dt.bulk_dn_warps)?;
+        let bulk_gate_up = bulk_fn(bulk_gu, gu_smem, dt.bulk_gu_warps)?;
+        let bulk_down = bulk_fn(bulk_dn, dn_smem, dt.bulk_dn_warps)?;
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
         for f in tiles.iter().flat_map(|t| [&t.gate_up, &t.fused]).chain([&down.f, &down_stash.f]) {

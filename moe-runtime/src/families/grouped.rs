@@ -13,7 +13,7 @@ use crate::launch::{cooperative_attrs, launch, launch_attrs, launch_with, max_ac
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
-use moe_codegen::{render_grouped, GemmTiles, KernelSource, MoeSpec, WeightFormat};
+use moe_codegen::{GemmTiles, KernelSource, MoeSpec, WeightFormat};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -109,25 +109,21 @@ pub(crate) struct GroupedPath {
 }
 
 impl GroupedPath {
-    pub fn load(device: &Device, spec: &MoeSpec) -> Result<GroupedPath> {
-        let tiles = GemmTiles::for_spec(spec, device.arch());
-        let src = render_grouped(spec, device.arch(), tiles)?;
-        GroupedPath::with_source(device, spec, tiles, &src)
-    }
-
     pub fn with_source(device: &Device, spec: &MoeSpec, tiles: GemmTiles, src: &KernelSource) -> Result<GroupedPath> {
-        let module = device.load(src)?;
-        let f = |name: &str| module.load_function(name);
-        let fns = Fns {
-            route: f("moe_route")?,
-            prepare: f("moe_prepare")?,
-            quant_mid: f("moe_quant_mid")?,
-            gemm1: f("moe_gemm1")?,
-            gemm2_atomic: f("moe_gemm2_atomic")?,
-            gemm2_rows: f("moe_gemm2_rows")?,
-            combine_rows: f("moe_combine_rows")?,
-            convert: f("moe_convert")?,
-        };
+        // Every kernel its own module, compiled in parallel.
+        const NAMES: [&str; 8] = [
+            "moe_route",
+            "moe_prepare",
+            "moe_quant_mid",
+            "moe_gemm1",
+            "moe_gemm2_atomic",
+            "moe_gemm2_rows",
+            "moe_combine_rows",
+            "moe_convert",
+        ];
+        let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert]: [CudaFunction; 8] =
+            device.functions(src, &NAMES)?.try_into().expect("one function per name");
+        let fns = Fns { route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert };
         let blocks = |g: &CudaFunction, smem: u32| -> Result<u32> {
             if smem > device.max_smem_optin() {
                 return Err(RuntimeError::FamilyUnavailable {
