@@ -1,5 +1,15 @@
-//! Finding NVRTC and the CUDA headers: `$CUDA_HOME`, `$CUDA_PATH`, the project's pinned install
-//! (`.cuda/nvidia/cu13`, made by `scripts/setup-cuda.sh`), then `/usr/local/cuda`.
+//! Finding NVRTC and the CUDA headers. Roots are searched in this order:
+//!
+//! 1. `$CUDA_HOME`, then `$CUDA_PATH`;
+//! 2. `/usr/local/cuda`;
+//! 3. the pinned install in the user's cache ([`pinned_dir`]: `$MOEFORGE_CUDA_DIR`, else
+//!    `moeforge/cuda` in the XDG cache dir, `~/.cache/moeforge/cuda`), where
+//!    `scripts/setup-cuda.sh` puts the pinned NVRTC and CUDA header wheels from PyPI.
+//!
+//! Nothing depends on the source tree or the working directory: a binary built from the
+//! workspace, a published crate and a copied test binary all search the same places. The first
+//! root with `include/cuda_bf16.h` wins; its own libnvrtc (`lib64/`, `lib/`) is loaded if there
+//! is one, else libnvrtc comes from the loader's search path.
 
 use crate::error::{Result, RuntimeError};
 use std::path::{Path, PathBuf};
@@ -8,22 +18,40 @@ use std::sync::OnceLock;
 /// A CUDA toolkit root with the headers NVRTC needs and, where found, its libnvrtc.
 #[derive(Debug, Clone)]
 pub struct Toolkit {
+    /// The include directory handed to NVRTC (`<root>/include`).
     pub include: PathBuf,
     /// libnvrtc found beside the headers; `None` when it comes from the loader's search path.
     pub nvrtc_lib: Option<PathBuf>,
+    /// NVRTC's (major, minor) version, as `nvrtcVersion` reports it.
     pub nvrtc_version: (i32, i32),
 }
 
-/// The project's pinned install, relative to the workspace the binary was built from.
-pub fn pinned_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cuda/nvidia/cu13")
+/// Where `scripts/setup-cuda.sh` installs the pinned wheels (their `pip --target` directory):
+/// `$MOEFORGE_CUDA_DIR` if set and non-empty, else `moeforge/cuda` in the user's cache directory
+/// (`$XDG_CACHE_HOME` if absolute, else `~/.cache`). `None` if neither variable is set and there is
+/// no home directory.
+pub fn pinned_dir() -> Option<PathBuf> {
+    match std::env::var_os("MOEFORGE_CUDA_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => Some(PathBuf::from(d)),
+        None => dirs::cache_dir().map(|c| c.join("moeforge").join("cuda")),
+    }
 }
 
-fn candidates() -> Vec<PathBuf> {
-    let mut c: Vec<PathBuf> =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
-    c.push(pinned_root());
+/// The toolkit root of the pinned install: `<pinned_dir>/nvidia/cu13` (the CUDA 13 wheels' layout).
+pub fn pinned_root() -> Option<PathBuf> {
+    pinned_dir().map(|d| d.join("nvidia").join("cu13"))
+}
+
+/// The roots searched, in order (see the module docs).
+pub fn candidates() -> Vec<PathBuf> {
+    let mut c: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .collect();
     c.push(PathBuf::from("/usr/local/cuda"));
+    c.extend(pinned_root());
     c
 }
 
