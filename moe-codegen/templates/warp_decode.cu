@@ -787,8 +787,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
 // Routing ids given as int64 (PyTorch's index type), narrowed to the int32 every kernel reads.
 // An id outside int32 becomes -1, which the kernels count as out of range and skip.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ids_from_i64)
-extern "C" __global__ void __launch_bounds__(256) moe_ids_from_i64(const long long* __restrict__ in,
-                                                                   int* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_ids_from_i64(const long long* __restrict__ in,
+                                                                      int* __restrict__ out, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const long long v = in[i];
         out[i] = (v < -2147483648LL || v > 2147483647LL) ? -1 : (int)v;

@@ -173,8 +173,9 @@ impl DecodeFamily {
         let (mut i, mut o, mut n32) = (input, out, n as i32);
         let mut args =
             [&mut i as *mut u64 as *mut c_void, &mut o as *mut u64 as *mut c_void, &mut n32 as *mut i32 as *mut c_void];
-        let grid = n.div_ceil(256).clamp(1, 4 * self.sms as usize) as u32;
-        unsafe { launch(&self.ids_from_i64, stream, grid, 256, 0, false, &mut args) }
+        let block = self.warps * 32;
+        let grid = n.div_ceil(block as usize).clamp(1, 4 * self.sms as usize) as u32;
+        unsafe { launch(&self.ids_from_i64, stream, grid, block, 0, false, &mut args) }
     }
 
     /// The most tokens one launch takes.
