@@ -161,7 +161,7 @@ fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> 
             // Warp decode under test: keep every step off the grouped family.
             l.set_prefill_threshold(usize::MAX);
             l.set_validate_routing(false);
-            l.set_fused(fused);
+            l.set_fused(fused).unwrap();
             l
         })
         .collect()

@@ -92,7 +92,7 @@ impl MoeLayer {
                 let tiles = moe_codegen::GemmTiles::for_spec(&spec, device.arch());
                 let gsrc = moe_codegen::render_grouped(&spec, device.arch(), tiles)?;
                 // Both families' kernels in one parallel batch of compiles.
-                compile_all(device, &[&src, &gsrc])?;
+                compile_all(device, &spec, &[&src, &gsrc])?;
                 Ok(GroupedPath::with_source(device, &spec, tiles, &gsrc)?)
             }
             Err(why) => Err(why),
@@ -111,7 +111,7 @@ impl MoeLayer {
     ) -> Result<MoeLayer> {
         let arch = device.arch();
         let find = |family| sources.iter().find(|s| s.family == family && s.arch == arch);
-        compile_all(device, &sources.iter().filter(|s| s.arch == arch).collect::<Vec<_>>())?;
+        compile_all(device, &spec, &sources.iter().filter(|s| s.arch == arch).collect::<Vec<_>>())?;
         let decode = find(KernelFamily::WarpDecode)
             .ok_or(RuntimeError::MissingSource { family: KernelFamily::WarpDecode, arch })?
             .clone();
@@ -187,8 +187,8 @@ impl MoeLayer {
     /// Two kernels per step (default: gate_up, then down as a programmatic dependent) or one
     /// persistent kernel whose down phase waits on per-expert counters. Both compute the same
     /// function; on the H100 the split pair measured faster (see benches/results).
-    pub fn set_fused(&mut self, on: bool) {
-        self.decode.fused = on;
+    pub fn set_fused(&mut self, on: bool) -> Result<()> {
+        self.decode.set_fused(on)
     }
 
     /// The largest token tile (tokens served per pass over a weight row) forward may pick, one of
@@ -201,8 +201,7 @@ impl MoeLayer {
                 got: tile.to_string(),
             });
         }
-        self.decode.max_token_tile = tile;
-        Ok(())
+        self.decode.set_max_token_tile(tile)
     }
 
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
@@ -510,10 +509,17 @@ impl MoeLayer {
     }
 }
 
-/// Compile every entry point of `sources` (each its own module) in one parallel batch.
-fn compile_all(device: &Device, sources: &[&KernelSource]) -> Result<()> {
+/// Compile the kernels the families load at once (each its own module) in one parallel batch.
+fn compile_all(device: &Device, spec: &MoeSpec, sources: &[&KernelSource]) -> Result<()> {
+    let names: Vec<(&KernelSource, Vec<String>)> = sources
+        .iter()
+        .map(|&s| match s.family {
+            KernelFamily::WarpDecode => (s, DecodeFamily::eager_entries(spec, s, device.max_smem_optin())),
+            _ => (s, s.entry_points.clone()),
+        })
+        .collect();
     let items: Vec<(&KernelSource, &str)> =
-        sources.iter().flat_map(|s| s.entry_points.iter().map(move |e| (*s, e.as_str()))).collect();
+        names.iter().flat_map(|(s, n)| n.iter().map(move |e| (*s, e.as_str()))).collect();
     device.compile_entries(&items)
 }
 

@@ -44,7 +44,7 @@ fn check_case<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew:
     let want = moe_forward(&spec, w, &x, &ids, &rw);
     let mut worst = (0f64, 1f64);
     for fused in [true, false] {
-        layer.set_fused(fused);
+        layer.set_fused(fused).unwrap();
         let mut st = upload::<T>(layer, &x, &ids, &rw);
         let got = run(layer, &mut st);
         let unwritten = got.iter().filter(|v| !v.is_finite()).count();
@@ -52,7 +52,7 @@ fn check_case<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew:
         let (rel, cos) = compare(&got, &want);
         worst = (worst.0.max(rel), worst.1.min(cos));
     }
-    layer.set_fused(false);
+    layer.set_fused(false).unwrap();
     worst
 }
 
@@ -220,7 +220,7 @@ fn graph_capture_and_replay() {
     layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(false);
     for fused in [true, false] {
-        layer.set_fused(fused);
+        layer.set_fused(fused).unwrap();
         capture_and_replay(&layer, &w, fused);
     }
 }
@@ -280,7 +280,7 @@ fn bad_input_is_a_typed_error() {
     // Unchecked, the kernels skip the bad id, count it, and stay in bounds.
     layer.set_validate_routing(false);
     for fused in [true, false] {
-        layer.set_fused(fused);
+        layer.set_fused(fused).unwrap();
         layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
         assert_eq!(layer.take_routing_errors().unwrap(), 1, "fused={fused}");
         assert_eq!(layer.take_routing_errors().unwrap(), 0);

@@ -115,7 +115,7 @@ fn run_step<T: ActElem>(
     let mut worst = (0f64, 1f64);
     let mut out = Vec::new();
     for fused in [true, false] {
-        layer.set_fused(fused);
+        layer.set_fused(fused).unwrap();
         // Poisoned with NaN so that an unwritten output cannot pass.
         let mut y = s.clone_htod(&vec![T::from_f32(f32::NAN); x.len()]).unwrap();
         layer.forward(&xd, &idd, &rwd, &mut y).unwrap();
@@ -126,7 +126,7 @@ fn run_step<T: ActElem>(
         worst = (worst.0.max(rel), worst.1.min(cos));
         out = got;
     }
-    layer.set_fused(false);
+    layer.set_fused(false).unwrap();
     (worst, out)
 }
 

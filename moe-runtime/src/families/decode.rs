@@ -23,8 +23,9 @@ pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
 
 struct TileFns {
     tile: u32,
-    gate_up: CudaFunction,
-    fused: CudaFunction,
+    /// Loaded for tiles up to the cap; the fused kernel only once `fused` is set.
+    gate_up: Option<CudaFunction>,
+    fused: Option<CudaFunction>,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
 }
@@ -64,15 +65,19 @@ pub(crate) struct DecodeFamily {
     mid: Mutex<CudaSlice<f32>>,
     /// The fused kernel's per-expert ready counters and finished-block count (cleared by it).
     ready: CudaSlice<i32>,
-    /// One persistent kernel per step instead of the gate_up / down pair.
-    pub fused: bool,
-    /// The largest token tile a step may pick.
-    pub max_token_tile: u32,
+    fused: bool,
+    max_token_tile: u32,
     /// Narrows int64 routing ids to int32 (`moe_ids_from_i64`).
     ids_from_i64: CudaFunction,
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
+    /// What loads the kernels asked for later.
+    device: Device,
+    src: KernelSource,
+    spec: MoeSpec,
+    /// Dynamic shared memory the occupancy of gate_up is sized at.
+    sizing_smem: u32,
 }
 
 impl DecodeFamily {
@@ -99,13 +104,7 @@ impl DecodeFamily {
         let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
         let bulk_gu = dt.bulk_gu && gu_smem <= device.max_smem_optin();
         let bulk_dn = dt.bulk_dn && dn_smem <= device.max_smem_optin();
-        // Every kernel its own module, compiled in parallel.
-        let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
-        for t in TOKEN_TILES {
-            names.extend([format!("moe_gate_up_t{t}"), format!("moe_fused_t{t}")]);
-        }
-        names.extend(bulk_gu.then(|| "moe_gate_up_bulk".to_string()));
-        names.extend(bulk_dn.then(|| "moe_down_bulk".to_string()));
+        let names = DecodeFamily::eager_entries(spec, src, device.max_smem_optin());
         let mut fns = device.functions(src, &names.iter().map(String::as_str).collect::<Vec<_>>())?.into_iter();
         let mut next = || fns.next().expect("one function per name");
         let ids_from_i64 = next();
@@ -113,8 +112,9 @@ impl DecodeFamily {
         let stash_f = next();
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
-            let (gate_up, fused) = (next(), next());
-            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up, fused });
+            let gate_up = (t <= DEFAULT_MAX_TOKEN_TILE).then(&mut next);
+            let blocks = gate_up.as_ref().map_or(Ok(1), &occ)?;
+            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: blocks, gate_up, fused: None });
         }
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
@@ -130,7 +130,7 @@ impl DecodeFamily {
         let bulk_down = bulk_fn(bulk_dn, dn_smem, dt.bulk_dn_warps)?;
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
-        for f in tiles.iter().flat_map(|t| [&t.gate_up, &t.fused]).chain([&down.f, &down_stash.f]) {
+        for f in tiles.iter().filter_map(|t| t.gate_up.as_ref()).chain([&down.f, &down_stash.f]) {
             static_smem =
                 static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
         }
@@ -158,7 +158,73 @@ impl DecodeFamily {
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
             chunk,
+            device: device.clone(),
+            src: src.clone(),
+            spec: *spec,
+            sizing_smem,
         })
+    }
+
+    /// The kernels [`DecodeFamily::load`] loads at once (each its own module): routing-id
+    /// narrowing, down, down with the stash, gate_up up to the default token-tile cap and the
+    /// bulk pair where it fits. The fused kernels and larger tiles load when asked for.
+    pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
+        let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
+        names.extend(TOKEN_TILES.iter().filter(|&&t| t <= DEFAULT_MAX_TOKEN_TILE).map(|t| format!("moe_gate_up_t{t}")));
+        if let Some(dt) = src.decode_tiles {
+            let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
+            names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| "moe_gate_up_bulk".to_string()));
+            names.extend((dt.bulk_dn && dn_smem <= max_smem).then(|| "moe_down_bulk".to_string()));
+        }
+        names
+    }
+
+    /// Load what steps need with token tiles up to `max_tile` (and the fused kernels if `fused`),
+    /// compiling the missing ones in parallel.
+    fn ensure(&mut self, max_tile: u32, fused: bool) -> Result<()> {
+        let mut names = Vec::new();
+        for t in self.tiles.iter().filter(|t| t.tile <= max_tile) {
+            if t.gate_up.is_none() {
+                names.push(format!("moe_gate_up_t{}", t.tile));
+            }
+            if fused && t.fused.is_none() {
+                names.push(format!("moe_fused_t{}", t.tile));
+            }
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let fns = self.device.functions(&self.src, &names.iter().map(String::as_str).collect::<Vec<_>>())?;
+        for (name, f) in names.iter().zip(fns) {
+            let static_smem = f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)? as u32;
+            self.static_smem = self.static_smem.max(static_smem);
+            let tile: u32 = name.rsplit('t').next().and_then(|t| t.parse().ok()).expect("names end in t<tile>");
+            let slot = self.tiles.iter_mut().find(|t| t.tile == tile).expect("a token tile");
+            if name.starts_with("moe_fused") {
+                slot.fused = Some(f);
+            } else {
+                slot.gate_up_blocks_per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(self.warps * 32, self.sizing_smem as usize, None)?
+                    .max(1);
+                slot.gate_up = Some(f);
+            }
+        }
+        self.chunk = max_chunk(&self.spec, self.static_smem, self.max_smem);
+        Ok(())
+    }
+
+    /// One persistent kernel per step instead of the gate_up / down pair (its kernels load now).
+    pub fn set_fused(&mut self, on: bool) -> Result<()> {
+        self.ensure(self.max_token_tile, on)?;
+        self.fused = on;
+        Ok(())
+    }
+
+    /// The largest token tile a step may pick (its kernels load now).
+    pub fn set_max_token_tile(&mut self, tile: u32) -> Result<()> {
+        self.ensure(tile, self.fused)?;
+        self.max_token_tile = tile;
+        Ok(())
     }
 
     /// Whether one-token steps take the bulk gate_up and the bulk down.
@@ -228,8 +294,10 @@ impl DecodeFamily {
         let smem = decode_smem_bytes(spec, m as u32);
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
-        let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile is loaded");
-        for f in [&fns.gate_up, &self.down.f, &self.down_stash.f, &fns.fused] {
+        let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile has a slot");
+        let gate_up = fns.gate_up.as_ref().expect("gate_up is loaded for every tile up to the cap");
+        let fused = fns.fused.as_ref();
+        for f in [Some(gate_up), Some(&self.down.f), Some(&self.down_stash.f), fused].into_iter().flatten() {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -251,10 +319,10 @@ impl DecodeFamily {
         let gu_warp_items = if tile == 1 { gu_items } else { gu_items.div_ceil(self.gate_up_items) };
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
-        if self.fused {
+        if let (true, Some(fused)) = (self.fused, fused) {
             // Its blocks wait on each other, so the grid must be co-resident: size it from the
             // occupancy at this step's shared memory.
-            let per_sm = fns.fused.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+            let per_sm = fused.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
             if per_sm == 0 {
                 return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
             }
@@ -273,7 +341,7 @@ impl DecodeFamily {
                 as_arg(&mut errp),
                 as_arg(&mut readyp),
             ];
-            unsafe { launch(&fns.fused, s, blocks, block, smem, true, &mut args)? };
+            unsafe { launch(fused, s, blocks, block, smem, true, &mut args)? };
             return Ok(());
         }
         unsafe {
@@ -300,10 +368,9 @@ impl DecodeFamily {
                     launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut args)?;
                 }
                 _ => {
-                    let per_sm =
-                        fns.gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
+                    let per_sm = gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
                     let per_sm = (per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
-                    launch(&fns.gate_up, s, grid(gu_warp_items, per_sm), block, smem, true, &mut gu)?;
+                    launch(gate_up, s, grid(gu_warp_items, per_sm), block, smem, true, &mut gu)?;
                 }
             }
             let mut dn = [
