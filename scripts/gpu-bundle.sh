@@ -25,6 +25,7 @@ for f in tests/gpu_*.rs; do
   cp "$(bin $t test --release -p moeforge --test $t --no-run | tail -1)" gpu-bundle/$t
 done
 cp "$(bin cold_start bench --bench cold_start --no-run | tail -1)" gpu-bundle/cold_start
+cp "$(bin caller_owned build --release --example caller_owned | tail -1)" gpu-bundle/caller_owned
 [ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
