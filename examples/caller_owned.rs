@@ -16,7 +16,9 @@ type Bf = half::bf16;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let spec = MoeSpec::builder(2048, 768, 128, 8).build()?;
-    let Ok(ctx) = CudaContext::new(0) else {
+    // Without the driver library cudarc's calls panic: ask first.
+    let driver = unsafe { moeforge::runtime::cudarc::driver::sys::is_culib_present() };
+    let Some(ctx) = driver.then(|| CudaContext::new(0).ok()).flatten() else {
         println!("no GPU found: nothing to run (the caller-owned API needs one)");
         return Ok(());
     };
