@@ -439,12 +439,14 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
     });
     let rebuilt = cache.map_or(0, |c| c.counts().rebuilt);
     println!(
-        "{skipped} skipped (the arch lacks the variant); {:.1} s on {jobs} threads; {hits} from the cache, {} compiled{}",
-        t_all.elapsed().as_secs_f64(),
-        ok - hits,
-        if rebuilt > 0 { format!(" ({rebuilt} corrupt cache entries rebuilt)") } else { String::new() }
+        "{skipped} skipped (the arch lacks the variant); {:.1} s on {jobs} threads",
+        t_all.elapsed().as_secs_f64()
     );
-    println!("{ok} variants compiled, {failed} failed");
+    println!(
+        "{ok} variants ok ({hits} from the cache, {} compiled by NVRTC{}), {failed} failed",
+        ok - hits,
+        if rebuilt > 0 { format!(", {rebuilt} corrupt cache entries rebuilt") } else { String::new() }
+    );
     if failed > 0 {
         ExitCode::FAILURE
     } else if ok == 0 {
