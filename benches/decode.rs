@@ -3,10 +3,11 @@
 //! `cargo bench --bench decode` runs criterion; `cargo bench --bench decode -- --report [FILE]`
 //! prints a table and appends one JSON object per row to FILE (see benches/results/): every
 //! weight format with every dequant variant the device's arch has (field `dequant`), the split
-//! kernels, plus the fused kernel for bf16 and fp8_e4m3. `--formats a,b` and `--dequant lut,bits`
+//! kernels at the default token-tile cap and, for bf16 and fp8_e4m3, at a cap of 1 (rows `split_cap4`,
+//! `split_cap1`). `--formats a,b` and `--dequant lut,bits`
 //! narrow the report. Bytes are the touched experts' packed weights plus every scale the kernels
 //! read for them, plus x, y and the routing.
-//! `--ms 1,8` and `--variants split,fused` narrow it further.
+//! `--ms 1,8` and `--variants split_cap4,split_cap1` narrow it further.
 //! Each timed unit is a CUDA-graph replay of forward over enough copies of the weights (at least
 //! MIN_LAYERS, and 4x the L2 at M = 1) that no expert row is served from L2; the device-to-device
 //! copy bandwidth is measured in the same run. Every path (report, sweep, criterion) divides a
@@ -136,7 +137,7 @@ fn layers_for(dev: &Device, spec: MoeSpec) -> Vec<MoeLayer> {
 }
 
 fn layers_with_tiles(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<MoeLayer> {
-    layers_with(dev, spec, tiles, true)
+    layers_with(dev, spec, tiles)
 }
 
 /// Copies of the weights to cycle through so that M = 1 steps touch 4x the L2 between visits.
@@ -152,7 +153,7 @@ fn copies_for(l2: usize, spec: &MoeSpec) -> usize {
     (4 * l2).div_ceil(touched.max(1)).max(MIN_LAYERS)
 }
 
-fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> Vec<MoeLayer> {
+fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles) -> Vec<MoeLayer> {
     let w = random_weights(&spec, fresh_seed());
     let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
     (0..layer_copies(dev, &spec))
@@ -161,7 +162,6 @@ fn layers_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, fused: bool) -> 
             // Warp decode under test: keep every step off the grouped family.
             l.set_prefill_threshold(usize::MAX);
             l.set_validate_routing(false);
-            l.set_fused(fused).unwrap();
             l
         })
         .collect()
@@ -181,11 +181,11 @@ struct Row {
     pct: f64,
 }
 
-fn variant_name(fused: bool, tile_cap: u32) -> &'static str {
-    match (fused, tile_cap) {
-        (true, _) => "fused",
-        (false, 8) => "split",
-        (false, _) => "split_cap4",
+fn variant_name(tile_cap: u32) -> &'static str {
+    match tile_cap {
+        1 => "split_cap1",
+        2 => "split_cap2",
+        _ => "split_cap4",
     }
 }
 
@@ -194,7 +194,7 @@ fn report_rows(
     dev: &Device,
     s: &Arc<CudaStream>,
     spec: MoeSpec,
-    (fused, tile_cap): (bool, u32),
+    tile_cap: u32,
     ms: &[usize],
     copy: f64,
     date: &str,
@@ -203,11 +203,11 @@ fn report_rows(
 ) {
     let format = spec.weight_format();
     let dequant = spec.dequant_for(dev.arch()).expect("only variants the arch has are reported");
-    let mut layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    let mut layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec));
     for l in &mut layers {
         l.set_max_token_tile(tile_cap).unwrap();
     }
-    let variant = variant_name(fused, tile_cap);
+    let variant = variant_name(tile_cap);
     for m in ms.iter().copied() {
         let case = build_case(&layers, &spec, m);
         let copies = case.layers();
@@ -249,7 +249,7 @@ fn report_specs(dev: &Device, formats: &[WeightFormat], dequants: &[DequantVaria
 }
 
 /// What the report covers: formats and dequant variants (empty: all), step sizes and kernel
-/// variants (`split`, `split_cap4`, `fused`; empty: all).
+/// variants (`split_cap4`, `split_cap1`; empty: all).
 struct Filters {
     formats: Vec<WeightFormat>,
     dequants: Vec<DequantVariant>,
@@ -277,10 +277,10 @@ fn report(dev: &Device, out: Option<&str>, filters: &Filters) {
     let mut table = Vec::new();
     for &spec in &specs {
         let f = spec.weight_format();
-        // The fused kernel and the smaller token-tile cap are measured on bf16 and fp8 only.
+        // The cap of 1 is measured on bf16 and fp8 only.
         let more = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
-        for v in [(false, 8), (false, 4), (true, 8)].into_iter().filter(|&v| v == (false, 8) || more) {
-            if variants.is_empty() || variants.iter().any(|n| n == variant_name(v.0, v.1)) {
+        for v in [4, 1].into_iter().filter(|&v| v == 4 || more) {
+            if variants.is_empty() || variants.iter().any(|n| n == variant_name(v)) {
                 report_rows(dev, &s, spec, v, ms, copy, &date, &mut rows, &mut table);
             }
         }
@@ -302,7 +302,7 @@ fn summary(table: &[Row]) {
     formats.dedup();
     for f in formats {
         let at = |d: DequantVariant| {
-            table.iter().find(|r| r.format == f && r.dequant == d && r.m == 1 && r.kernel == "split")
+            table.iter().find(|r| r.format == f && r.dequant == d && r.m == 1 && r.kernel == "split_cap4")
         };
         let mut line = format!("{:<15}", f.name());
         for d in DequantVariant::ALL {
@@ -335,28 +335,18 @@ fn sweep(dev: &Device, specs: &[MoeSpec], ms: &[usize]) {
     println!("sweep: copy bandwidth {copy:.0} GB/s");
     let configs = |spec: &MoeSpec| {
         let d = DecodeTiles::for_spec(spec);
-        let bulk = |gu: bool, gw: u32, dw: u32| {
-            let mut t = DecodeTiles { bulk_gu: gu, bulk_dn: true, bulk_gu_warps: gw, bulk_dn_warps: dw, ..d };
-            t.fit_bulk_stages(spec);
-            (t, false)
-        };
-        let _ = bulk;
-        [
-            (d, false),
-            (DecodeTiles { bulk_dn_h2: !d.bulk_dn_h2, ..d }, false),
-            (DecodeTiles { bulk_gu: !d.bulk_gu, ..d }, false),
-        ]
+        [d, DecodeTiles { bulk_dn_h2: !d.bulk_dn_h2, ..d }, DecodeTiles { bulk_gu: !d.bulk_gu, ..d }]
     };
     // Compile every configuration up front, in parallel.
     let sources: Vec<_> =
-        specs.iter().flat_map(|s| configs(s).map(|(t, _)| render_warp_decode(s, dev.arch(), t).unwrap())).collect();
+        specs.iter().flat_map(|s| configs(s).map(|t| render_warp_decode(s, dev.arch(), t).unwrap())).collect();
     dev.prepare(&sources).unwrap();
     for &spec in specs {
         let format = spec.weight_format();
         let dequant = spec.dequant().unwrap_or(format.default_dequant(dev.arch()));
-        for (t, fused) in configs(&spec) {
-            let layers = layers_with(dev, spec, t, fused);
-            let kind = if fused { "fused" } else { "split" };
+        for t in configs(&spec) {
+            let layers = layers_with(dev, spec, t);
+            let kind = "split";
             let xs = if t.stage_x { "xs" } else { "xg" };
             let gu = if t.bulk_gu { format!("w{}x{}", t.bulk_gu_warps, t.bulk_gu_stages) } else { "regs".into() };
             let h2 = if t.bulk_dn_h2 { " h2" } else { "" };
@@ -383,10 +373,10 @@ fn sweep(dev: &Device, specs: &[MoeSpec], ms: &[usize]) {
     }
 }
 
-/// Graph replays for a profiler: `--profile bf16 1 [split|fused]` (fused by default).
-fn profile(dev: &Device, format: WeightFormat, m: usize, fused: bool) {
+/// Graph replays for a profiler: `--profile bf16 1`.
+fn profile(dev: &Device, format: WeightFormat, m: usize) {
     let spec = qwen(format);
-    let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec), fused);
+    let layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec));
     let case = build_case(&layers, &spec, m);
     for _ in 0..3 {
         case.launch();
@@ -485,7 +475,7 @@ fn main() {
         sweep(&dev, &specs, &ms);
     } else if let Some(i) = args.iter().position(|a| a == "--profile") {
         let format: WeightFormat = args[i + 1].parse().unwrap();
-        profile(&dev, format, args[i + 2].parse().unwrap(), args.get(i + 3).map(String::as_str) != Some("split"));
+        profile(&dev, format, args[i + 2].parse().unwrap());
     } else if let Some(i) = args.iter().position(|a| a == "--report") {
         let out = args.get(i + 1).filter(|a| !a.starts_with("--")).map(String::as_str);
         let list = |flag: &str| -> Vec<String> {

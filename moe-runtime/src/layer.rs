@@ -184,15 +184,8 @@ impl MoeLayer {
         self.validate_routing = on;
     }
 
-    /// Two kernels per step (default: gate_up, then down as a programmatic dependent) or one
-    /// persistent kernel whose down phase waits on per-expert counters. Both compute the same
-    /// function; on the H100 the split pair measured faster (see benches/results).
-    pub fn set_fused(&mut self, on: bool) -> Result<()> {
-        self.decode.set_fused(on)
-    }
-
     /// The largest token tile (tokens served per pass over a weight row) forward may pick, one of
-    /// 1, 2, 4, 8. Larger tiles re-read fewer rows from L2 but need more registers per warp.
+    /// `TOKEN_TILES`. Larger tiles re-read fewer rows from L2 but need more registers per warp.
     pub fn set_max_token_tile(&mut self, tile: u32) -> Result<()> {
         if !TOKEN_TILES.contains(&tile) {
             return Err(RuntimeError::Shape {

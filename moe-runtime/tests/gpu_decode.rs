@@ -37,22 +37,21 @@ fn run<T: ActElem>(layer: &MoeLayer, st: &mut Step<T>) -> Vec<f32> {
     layer.stream().clone_dtoh(&st.y).unwrap().into_iter().map(T::to_f32).collect()
 }
 
-/// Runs the step through the fused kernel and through the split pair; returns the worse of the two.
+/// Runs the step with the default token-tile cap and with tiles of one token; returns the worse of the two.
 fn check_case<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64) -> (f64, f64) {
     let spec = *layer.spec();
     let (x, ids, rw) = random_step(&spec, m, skew, seed);
     let want = moe_forward(&spec, w, &x, &ids, &rw);
     let mut worst = (0f64, 1f64);
-    for fused in [true, false] {
-        layer.set_fused(fused).unwrap();
+    for cap in [1, moe_runtime::DEFAULT_MAX_TOKEN_TILE] {
+        layer.set_max_token_tile(cap).unwrap();
         let mut st = upload::<T>(layer, &x, &ids, &rw);
         let got = run(layer, &mut st);
         let unwritten = got.iter().filter(|v| !v.is_finite()).count();
-        assert_eq!(unwritten, 0, "{} fused={fused} m={m}: {unwritten} outputs unwritten or non-finite", spec.id());
+        assert_eq!(unwritten, 0, "{} cap={cap} m={m}: {unwritten} outputs unwritten or non-finite", spec.id());
         let (rel, cos) = compare(&got, &want);
         worst = (worst.0.max(rel), worst.1.min(cos));
     }
-    layer.set_fused(false).unwrap();
     worst
 }
 
@@ -219,13 +218,13 @@ fn graph_capture_and_replay() {
     // Warp decode under test: keep every step off the grouped family.
     layer.set_prefill_threshold(usize::MAX);
     layer.set_validate_routing(false);
-    for fused in [true, false] {
-        layer.set_fused(fused).unwrap();
-        capture_and_replay(&layer, &w, fused);
+    for cap in [1, moe_runtime::DEFAULT_MAX_TOKEN_TILE] {
+        layer.set_max_token_tile(cap).unwrap();
+        capture_and_replay(&layer, &w, cap);
     }
 }
 
-fn capture_and_replay(layer: &MoeLayer, w: &HostWeights, fused: bool) {
+fn capture_and_replay(layer: &MoeLayer, w: &HostWeights, cap: u32) {
     let spec = *layer.spec();
     let m = 4;
     layer.reserve(m).unwrap();
@@ -254,7 +253,7 @@ fn capture_and_replay(layer: &MoeLayer, w: &HostWeights, fused: bool) {
         graph.launch().unwrap();
         let got: Vec<f32> = s.clone_dtoh(&st.y).unwrap().into_iter().map(|v| v.to_f32()).collect();
         let (rel, cos) = compare(&got, &moe_forward(&spec, w, &x, &ids, &rw));
-        println!("graph replay {r} fused={fused}: rel_l2={rel:.3e} cos={cos:.8}");
+        println!("graph replay {r} cap={cap}: rel_l2={rel:.3e} cos={cos:.8}");
         assert!(rel <= 5e-3 && cos >= 0.99999);
     }
 }
@@ -279,10 +278,10 @@ fn bad_input_is_a_typed_error() {
     );
     // Unchecked, the kernels skip the bad id, count it, and stay in bounds.
     layer.set_validate_routing(false);
-    for fused in [true, false] {
-        layer.set_fused(fused).unwrap();
+    for cap in [1, moe_runtime::DEFAULT_MAX_TOKEN_TILE] {
+        layer.set_max_token_tile(cap).unwrap();
         layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
-        assert_eq!(layer.take_routing_errors().unwrap(), 1, "fused={fused}");
+        assert_eq!(layer.take_routing_errors().unwrap(), 1, "cap={cap}");
         assert_eq!(layer.take_routing_errors().unwrap(), 0);
     }
     // Shapes and dtypes.

@@ -23,9 +23,8 @@ pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
 
 struct TileFns {
     tile: u32,
-    /// Loaded for tiles up to the cap; the fused kernel only once `fused` is set.
+    /// Loaded for tiles up to the cap.
     gate_up: Option<CudaFunction>,
-    fused: Option<CudaFunction>,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
 }
@@ -63,9 +62,6 @@ pub(crate) struct DecodeFamily {
     bulk_down: Option<BulkFn>,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
-    /// The fused kernel's per-expert ready counters and finished-block count (cleared by it).
-    ready: CudaSlice<i32>,
-    fused: bool,
     max_token_tile: u32,
     /// Narrows int64 routing ids to int32 (`moe_ids_from_i64`).
     ids_from_i64: CudaFunction,
@@ -114,7 +110,7 @@ impl DecodeFamily {
         for t in TOKEN_TILES {
             let gate_up = (t <= DEFAULT_MAX_TOKEN_TILE).then(&mut next);
             let blocks = gate_up.as_ref().map_or(Ok(1), &occ)?;
-            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: blocks, gate_up, fused: None });
+            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: blocks, gate_up });
         }
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
@@ -152,9 +148,6 @@ impl DecodeFamily {
             bulk_gate_up,
             bulk_down,
             mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(spec, 1))?),
-            ready: stream.alloc_zeros::<i32>(spec.experts() as usize + 1)?,
-            // Measured on the H100 (docs/decode-notes.md): the split pair is faster.
-            fused: false,
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
             chunk,
@@ -167,7 +160,7 @@ impl DecodeFamily {
 
     /// The kernels [`DecodeFamily::load`] loads at once (each its own module): routing-id
     /// narrowing, down, down with the stash, gate_up up to the default token-tile cap and the
-    /// bulk pair where it fits. The fused kernels and larger tiles load when asked for.
+    /// bulk pair where it fits. Larger tiles load when asked for.
     pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
         let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
         names.extend(TOKEN_TILES.iter().filter(|&&t| t <= DEFAULT_MAX_TOKEN_TILE).map(|t| format!("moe_gate_up_t{t}")));
@@ -179,18 +172,15 @@ impl DecodeFamily {
         names
     }
 
-    /// Load what steps need with token tiles up to `max_tile` (and the fused kernels if `fused`),
-    /// compiling the missing ones in parallel.
-    fn ensure(&mut self, max_tile: u32, fused: bool) -> Result<()> {
-        let mut names = Vec::new();
-        for t in self.tiles.iter().filter(|t| t.tile <= max_tile) {
-            if t.gate_up.is_none() {
-                names.push(format!("moe_gate_up_t{}", t.tile));
-            }
-            if fused && t.fused.is_none() {
-                names.push(format!("moe_fused_t{}", t.tile));
-            }
-        }
+    /// Load what steps need with token tiles up to `max_tile`, compiling the missing kernels in
+    /// parallel.
+    fn ensure(&mut self, max_tile: u32) -> Result<()> {
+        let names: Vec<String> = self
+            .tiles
+            .iter()
+            .filter(|t| t.tile <= max_tile && t.gate_up.is_none())
+            .map(|t| format!("moe_gate_up_t{}", t.tile))
+            .collect();
         if names.is_empty() {
             return Ok(());
         }
@@ -200,29 +190,18 @@ impl DecodeFamily {
             self.static_smem = self.static_smem.max(static_smem);
             let tile: u32 = name.rsplit('t').next().and_then(|t| t.parse().ok()).expect("names end in t<tile>");
             let slot = self.tiles.iter_mut().find(|t| t.tile == tile).expect("a token tile");
-            if name.starts_with("moe_fused") {
-                slot.fused = Some(f);
-            } else {
-                slot.gate_up_blocks_per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(self.warps * 32, self.sizing_smem as usize, None)?
-                    .max(1);
-                slot.gate_up = Some(f);
-            }
+            slot.gate_up_blocks_per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(self.warps * 32, self.sizing_smem as usize, None)?
+                .max(1);
+            slot.gate_up = Some(f);
         }
         self.chunk = max_chunk(&self.spec, self.static_smem, self.max_smem);
         Ok(())
     }
 
-    /// One persistent kernel per step instead of the gate_up / down pair (its kernels load now).
-    pub fn set_fused(&mut self, on: bool) -> Result<()> {
-        self.ensure(self.max_token_tile, on)?;
-        self.fused = on;
-        Ok(())
-    }
-
     /// The largest token tile a step may pick (its kernels load now).
     pub fn set_max_token_tile(&mut self, tile: u32) -> Result<()> {
-        self.ensure(tile, self.fused)?;
+        self.ensure(tile)?;
         self.max_token_tile = tile;
         Ok(())
     }
@@ -296,8 +275,7 @@ impl DecodeFamily {
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile has a slot");
         let gate_up = fns.gate_up.as_ref().expect("gate_up is loaded for every tile up to the cap");
-        let fused = fns.fused.as_ref();
-        for f in [Some(gate_up), Some(&self.down.f), Some(&self.down_stash.f), fused].into_iter().flatten() {
+        for f in [gate_up, &self.down.f, &self.down_stash.f] {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -307,7 +285,7 @@ impl DecodeFamily {
         }
         let (mut xp, mut idp, mut wp) = (p.x, p.ids, p.weights);
         let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
-        let (mut midp, mut yp, mut errp, mut readyp) = (ptr(&mid, s), p.y, p.errors, ptr(&self.ready, s));
+        let (mut midp, mut yp, mut errp) = (ptr(&mid, s), p.y, p.errors);
         let mut m_i32 = m as i32;
         let block = self.warps * 32;
         let pairs = (m * k) as u64;
@@ -319,31 +297,6 @@ impl DecodeFamily {
         let gu_warp_items = if tile == 1 { gu_items } else { gu_items.div_ceil(self.gate_up_items) };
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
         let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
-        if let (true, Some(fused)) = (self.fused, fused) {
-            // Its blocks wait on each other, so the grid must be co-resident: size it from the
-            // occupancy at this step's shared memory.
-            let per_sm = fused.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
-            if per_sm == 0 {
-                return Err(RuntimeError::StepTooLarge { m, need: smem, max: self.max_smem });
-            }
-            let blocks = grid(gu_warp_items.max((h / self.down_rows) as u64 * m as u64), per_sm);
-            let mut args = [
-                as_arg(&mut xp),
-                as_arg(&mut idp),
-                as_arg(&mut wp),
-                as_arg(&mut w13),
-                as_arg(&mut w13s),
-                as_arg(&mut w2),
-                as_arg(&mut w2s),
-                as_arg(&mut midp),
-                as_arg(&mut yp),
-                &mut m_i32 as *mut i32 as *mut c_void,
-                as_arg(&mut errp),
-                as_arg(&mut readyp),
-            ];
-            unsafe { launch(fused, s, blocks, block, smem, true, &mut args)? };
-            return Ok(());
-        }
         unsafe {
             let mut gu = [
                 as_arg(&mut xp),
