@@ -1,6 +1,8 @@
 //! The grouped-GEMM (prefill) family: tile configuration, support checks and rendering.
 
 use crate::format::WeightFormat;
+use crate::heuristics::GROUP_TILES;
+pub use crate::heuristics::HOT_TILES;
 use crate::render::{CodegenError, KernelSource};
 use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
 use askama::Template;
@@ -15,7 +17,8 @@ pub enum Mma {
 }
 
 /// Tile shape and pipeline depth of the grouped GEMMs: template constants, so part of the source
-/// and of the JIT cache key.
+/// and of the JIT cache key. The defaults come from [`crate::heuristics::gemm_tiles`], which says
+/// why each is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GemmTiles {
     /// Rows (token, slot pairs) per tile; each expert's rows are padded to a multiple of it.
@@ -38,19 +41,8 @@ pub struct GemmTiles {
     /// Blocks per cluster (warp-specialised only): 2 pairs row tiles of one expert, and each
     /// block multicasts half of the shared weight tile to both (TMA), so every weight byte
     /// leaves L2 once per pair of row tiles; an expert's odd tile runs on both blocks, one column
-    /// block each (so both GEMMs need an even number of column blocks). The default where both
-    /// GEMMs' work items are at least 32 k-tiles long, which amortise the pair's lockstep (each
-    /// stage waits for both blocks' consumers) and the item's hand-over: on the H100 (2026-11-23)
-    /// Mixtral-8x7B bf16 at M = 4096 ran 5-10% faster in clusters (skewed 588-614 -> 615-675
-    /// TFLOP/s over five rounds), fp8 and the other sizes within the spread, while Qwen3-30B-A3B
-    /// (6-32 k-tiles per item) ran 2-4% slower. Figures below are from before 2026-11-23, when
-    /// experts padded to whole pairs of tiles. Two-block clusters measured on the H100 (benches/results/h100-prefill.json,
-    /// 2026-11-22): GEMM1's L2 reads fell by 23% (Qwen3-30B-A3B bf16, M = 4096), yet Qwen3-30B-A3B
-    /// ran slower at M = 4096 (bf16 797 -> 851-866 us, fp8 775 -> 883-935 us: with 2-3 row tiles per
-    /// expert the pairs add padding tiles, and each stage waits on both blocks' consumers), and
-    /// Mixtral-8x7B gained only at the largest steps (bf16 M = 16384 629 / 647 -> 659-673 / 665-675
-    /// TFLOP/s, uniform / skewed) while its weight-streaming steps lost (M = 64 975 -> 1106 us bf16,
-    /// 597 -> 890 us fp8: half as many weight tiles in flight).
+    /// block each (so both GEMMs need an even number of column blocks). Each stage then waits for
+    /// both blocks' consumers, and every work item is handed over between them.
     pub cluster: u32,
     /// Warp-specialised only: consumer warpgroup 1 starts this many k-tiles behind warpgroup 0
     /// and stays behind (each stage waits for both), so that each one's epilogue falls under the
@@ -62,11 +54,12 @@ pub struct GemmTiles {
     /// extra rows as N), so the weight column is read once for both rather than once more for a
     /// handful of rows. Applies where the pipeline allows it (`extended_rows`):
     /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
-    /// (bf16 / fp16, per-channel fp8; on by default for the 16-bit formats).
+    /// (bf16 / fp16, per-channel fp8).
     pub tail: u32,
 }
 
-fn is_fp8(f: WeightFormat) -> bool {
+/// Whether the grouped family multiplies `f` as e4m3.
+pub(crate) fn is_fp8(f: WeightFormat) -> bool {
     matches!(f, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128)
 }
 
@@ -93,83 +86,11 @@ pub fn prepare_smem_bytes(spec: &MoeSpec) -> u32 {
 pub const ELEMWISE_THREADS: u32 = 256;
 /// Bytes of K per pipeline stage and row.
 const BK_BYTES: u32 = 128;
-/// Row tiles of one expert that run side by side, column block by column block, so that a wave
-/// reads each weight tile once through L2 (see `work_item` in grouped_gemm.cu).
-const GROUP_TILES: u32 = 8;
-/// Experts with this many tiles or more ("hot") lead the alignment's layout, and the GEMMs deal
-/// their work items and the other experts' evenly into each other (`work_item`): a cold expert's
-/// item reads a whole weight column for a tile or two (DRAM-bound), a hot one's mostly computes.
-pub const HOT_TILES: u32 = 4;
 
 impl GemmTiles {
-    /// The default tiles of a spec on an arch: 128-row tiles, 128 columns where the geometry
-    /// divides (else 64), one block per SM; wgmma on sm_90a, in two-block clusters where work
-    /// items are long.
+    /// The default tiles of a spec on an arch ([`crate::heuristics::gemm_tiles`]).
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
-        let fp8 = is_fp8(spec.weight_format());
-        let (h, i) = (spec.hidden(), spec.intermediate());
-        let widest = |n: u32, options: &[u32]| options.iter().copied().find(|&w| n % w == 0).unwrap_or(64);
-        let mma = if arch == Arch::Sm90a { Mma::Wgmma } else { Mma::MmaSync };
-        // Two-block clusters where every work item is long: at least 32 k-tiles in both GEMMs
-        // (see `GemmTiles::cluster`), and both have an even number of column blocks.
-        let elem = if fp8 { 1 } else { 2 };
-        let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
-        let long_items = h * elem / 128 >= 32 && i * elem / 128 >= 32;
-        let even = (i / (bn1 / 2)) % 2 == 0 && (h / bn2) % 2 == 0;
-        let cluster = if long_items && even { 2 } else { 1 };
-        // Extended items by default where they measured faster: bf16 / fp16 (H100, Qwen3-30B-A3B
-        // at M = 4096, GEMM1 379-394 against 396-401 us uniform, even under balanced and skewed
-        // routing). fp8 GEMM1's e4m3 epilogue sits at the register limit and spills with them
-        // (balanced 200-209 against 190-195 us), so there they stay an option.
-        let tail = if mma == Mma::Wgmma && !fp8 { 16 } else { 0 };
-        if mma == Mma::Wgmma && !fp8 {
-            // bf16 / fp16 on wgmma: 128 x 256 tiles in both GEMMs (4 stages of 48 KiB), which on
-            // the block-barrier pipeline already beat 128 x 128 (H200, M = 4096: Qwen3-30B-A3B 358
-            // against 336 TFLOP/s, Mixtral 497 against 422).
-            return GemmTiles {
-                bm: 128,
-                bn1,
-                bn2,
-                stages: 4,
-                blocks_per_sm: 1,
-                mma,
-                warp_specialized: true,
-                cluster,
-                lag: 0,
-                tail,
-            };
-        }
-        if mma == Mma::Wgmma {
-            // fp8 reduces each k-tile into a second accumulator to scale it; 256-wide tiles take
-            // their columns in two halves of 128 (gemm_ws.cuh), 4 stages of 48 KiB. 128 x 128
-            // tiles moved as many bytes from L2 per FLOP as bf16's 128 x 256 at twice the rate.
-            return GemmTiles {
-                bm: 128,
-                bn1,
-                bn2,
-                stages: 4,
-                blocks_per_sm: 1,
-                mma,
-                warp_specialized: true,
-                cluster,
-                lag: 0,
-                tail,
-            };
-        }
-        GemmTiles {
-            bm: 128,
-            bn1: 2 * widest(i, &[64, 32]),
-            bn2: widest(h, &[128, 64]),
-            // fp8 waits on each k-tile to scale it and holds a second accumulator, so 128-wide
-            // tiles and 4 stages; sm_120a parts have 99 KiB of shared memory per block: 3 stages.
-            stages: if arch == Arch::Sm120a { 3 } else { 4 },
-            blocks_per_sm: 1,
-            mma,
-            warp_specialized: false,
-            cluster: 1,
-            lag: 0,
-            tail: 0,
-        }
+        crate::heuristics::gemm_tiles(spec, arch)
     }
 
     /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `128,128,4,1`,

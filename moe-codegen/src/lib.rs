@@ -8,6 +8,7 @@
 pub mod dequant;
 pub mod format;
 pub mod grouped;
+pub mod heuristics;
 pub mod numerics;
 pub mod render;
 pub mod router;

@@ -3,6 +3,7 @@
 use crate::dequant::DequantVariant;
 use crate::format::{Codec, WeightFormat};
 use crate::grouped;
+pub use crate::heuristics::{BULK_SMEM_BUDGET, TOKEN_TILES, X_STAGE_MAX_BYTES};
 use crate::numerics::{e2m1_to_f32, e4m3_to_f32};
 use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
 use askama::Template;
@@ -119,7 +120,8 @@ pub fn static_smem_bytes(spec: &MoeSpec, arch: Arch) -> u32 {
 }
 
 /// Launch-shape constants of the warp-decode family. They are template constants, so they are
-/// part of the source and therefore of the JIT cache key.
+/// part of the source and therefore of the JIT cache key. The defaults come from
+/// [`crate::heuristics::decode_tiles`], which says why each is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeTiles {
     /// Warps per block.
@@ -129,12 +131,7 @@ pub struct DecodeTiles {
     pub gu_chunk: u32,
     /// Lanes that share a w13 row in the multi-token gate_up kernels (token tiles 2-8): 32, or
     /// 16 (a warp then serves two neighbouring neurons of one expert at once, with twice the
-    /// vectors per lane in flight). The one-token kernel always gives a row the whole warp: there
-    /// 16 measured slower for every format (H100, Qwen3, M = 1: int4 g128 13.7 against 13.0 us).
-    /// At M = 2 / 8, 16 lanes ran int4 g128 in 21.4 / 79.3 us against 23.2 / 88.8, int4 asym g64
-    /// 23.3 / 82.6 against 24.7 / 91.4 and nvfp4 28.6 / 104.4 against 29.8 / 109.6; fp8 was no
-    /// faster (33.6 / 106.5 against 33.0 / 102.6). So 16 for the 4-bit formats, 32 for the rest
-    /// (both pass `other_decode_tiles_match_reference` on the H100).
+    /// vectors per lane in flight). The one-token kernel always gives a row the whole warp.
     pub gu_lanes: u32,
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
@@ -144,9 +141,7 @@ pub struct DecodeTiles {
     /// always takes one.
     pub dn_rows: u32,
     /// Whether the one-token gate_up loads each warp's first unit before the block has built
-    /// its routing tables (the warp numbers the step's experts itself). On the H100 (Qwen3, M = 1,
-    /// two interleaved A/B sweeps) it saved about 1 us for fp8 e4m3 per-channel and nothing for
-    /// 128x128 blocks, and cost 0.15-0.25 us for int8 and int4 g128: on for the e4m3 codes only.
+    /// its routing tables (the warp numbers the step's experts itself).
     pub gu_early: bool,
     /// Whether gate_up stages the step's activations in shared memory as fp32 (when they fit
     /// in [`X_STAGE_MAX_BYTES`]); the host sizes shared memory for it either way.
@@ -176,86 +171,17 @@ pub struct DecodeTiles {
     pub bulk_dn_stages: u32,
 }
 
-/// Dynamic shared memory each bulk kernel may take: two of them (gate_up's and down's blocks)
-/// fit on one SM of 228 KiB beside the 1 KiB each block reserves.
-pub const BULK_SMEM_BUDGET: u32 = 112 * 1024;
-
-/// Token tiles (tokens served per pass over a weight row) rendered as separate entry points.
-pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
-
 impl DecodeTiles {
-    /// The default tiles for a spec: enough bytes in flight per warp to cover DRAM latency
-    /// without spilling. down's chunk divides the vectors each lane owns per item when it can,
-    /// so that no unit runs with idle slots. 4-bit items are short (6 vectors per lane for
-    /// Qwen3), and loading one whole measured 9% faster than units of 3-4 on the H100 at M = 1;
-    /// wider formats measured the same with 4 as with 6-8, at fewer registers. Two rows per down
-    /// item halve its reads of the intermediate: on the H100 (Qwen3) at M = 2 and 8, 2-10% faster
-    /// than one for fp8, int8 and int4 g128; four were no better at M = 8.
+    /// The default tiles for a spec ([`crate::heuristics::decode_tiles`]).
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
-        let vec = spec.weight_format().elems_per_16b();
-        let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
-        let cap = if vec >= 32 { 8 } else { 4 };
-        let dn_chunk = (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap));
-        let dn_rows = if spec.hidden() % 2 == 0 { 2 } else { 1 };
-        let gu_early = spec.weight_format().codec() == Codec::E4m3;
-        let gu_lanes = if vec >= 32 { 16 } else { 32 };
-        let warps = 8;
-        let mut t = DecodeTiles {
-            warps,
-            gu_chunk: 4,
-            gu_lanes,
-            gu_early,
-            dn_chunk,
-            dn_rows,
-            stage_x: true,
-            dn_stash: 4,
-            bulk_gu: false,
-            bulk_dn: false,
-            bulk_dn_h2: true,
-            bulk_gu_warps: 16,
-            bulk_dn_warps: 16,
-            bulk_gu_stages: 1,
-            bulk_dn_stages: 1,
-        };
-        // The bulk kernels where they measured faster (H100, Qwen3, M = 1, sweeps of 2026-11-22;
-        // README, "The sixth change"): the bulk down for every quantized format (int4 14.5 ->
-        // 12.8 us, mxfp4 15.5 -> 14.2, int8 g32 20.8 -> 19.8), the bulk gate_up beside it for the
-        // 4-bit ones (int4 asym g32 14.8 -> 13.6, mxfp4 14.2 -> 13.8; 8-bit 19.2 -> 20.6), and
-        // down's fp16 pairs for every codec that has them (int4 g128 12.9 -> 12.2, fp8 19.0 ->
-        // 18.4; since the intermediate's staging keeps its loads in registers, 2026-11-23, also
-        // symmetric int4 per-channel: 12.2 -> 11.5).
-        t.bulk_dn = vec >= 16;
-        t.bulk_gu = vec >= 32;
-
-        if !t.fit_bulk_stages(spec) {
-            (t.bulk_gu, t.bulk_dn) = (false, false);
-        }
-        t
+        crate::heuristics::decode_tiles(spec)
     }
 
     /// Sets each bulk ring to as many stages (up to 8) as fit [`BULK_SMEM_BUDGET`] with the
     /// current consumer warps, else to one; false if one stage needs more than [`BULK_SMEM_MAX`]
     /// (or the tiles do not divide the spec).
     pub fn fit_bulk_stages(&mut self, spec: &MoeSpec) -> bool {
-        if !self.bulk_tiles_divide(spec) {
-            return false;
-        }
-        let fit = |t: &mut DecodeTiles, gu: bool| {
-            for n in (1..=8).rev() {
-                if gu {
-                    t.bulk_gu_stages = n;
-                } else {
-                    t.bulk_dn_stages = n;
-                }
-                let (g, d) = bulk_smem_bytes(spec, t);
-                let bytes = if gu { g } else { d };
-                if bytes <= BULK_SMEM_BUDGET || (n == 1 && bytes <= BULK_SMEM_MAX) {
-                    return true;
-                }
-            }
-            false
-        };
-        fit(self, true) & fit(self, false)
+        crate::heuristics::fit_bulk_stages(self, spec)
     }
 
     /// Whether the bulk kernels' tiles divide the spec's intermediate and hidden sizes (and
@@ -265,9 +191,10 @@ impl DecodeTiles {
         (1..32).contains(&gw) && (1..32).contains(&dw) && spec.intermediate() % gw == 0 && spec.hidden() % dw == 0
     }
 
-    /// The smallest token tile that covers a step of `m` tokens (the largest past it).
+    /// The smallest token tile that covers a step of `m` tokens (the largest past it):
+    /// [`crate::heuristics::token_tile`].
     pub fn token_tile(m: u32) -> u32 {
-        TOKEN_TILES.into_iter().find(|&t| t >= m).unwrap_or(TOKEN_TILES[TOKEN_TILES.len() - 1])
+        crate::heuristics::token_tile(m)
     }
 }
 
@@ -550,10 +477,6 @@ pub const BULK_SMEM_MAX: u32 = 227 * 1024;
 
 /// Static shared memory warp decode's down stash may take with the LUT tables (of 48 KiB).
 pub const DN_STASH_MAX_BYTES: u32 = 40 * 1024;
-
-/// Largest activation block (fp32) warp decode stages in shared memory; larger steps read the
-/// activations from global memory.
-pub const X_STAGE_MAX_BYTES: u32 = 64 * 1024;
 
 /// Dynamic shared memory of a warp-decode step of `m` tokens: the routing tables, then, when they
 /// fit in [`X_STAGE_MAX_BYTES`] as fp32, the staged activations (fp32, or fp16 pairs in half of

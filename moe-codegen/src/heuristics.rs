@@ -1,0 +1,256 @@
+//! Tile heuristics: every default tile choice of the kernel families, in one place.
+//!
+//! [`decode_tiles`] picks the warp-decode family's [`DecodeTiles`] and [`gemm_tiles`] the
+//! grouped-GEMM family's [`GemmTiles`]; the constants here are the choices both families bake into
+//! their sources. Each item says what it chooses and why. The measurements behind the choices are
+//! in `docs/design.md`, "Tile choices: the measurements behind them".
+//!
+//! Every choice is a template constant, so it is part of the rendered source and of the JIT cache
+//! key: changing one here renders (and compiles) new kernels.
+
+use crate::format::Codec;
+use crate::grouped::{is_fp8, GemmTiles, Mma};
+use crate::render::{bulk_smem_bytes, DecodeTiles, BULK_SMEM_MAX};
+use crate::spec::{Arch, MoeSpec};
+
+/// Token tiles (tokens served per pass over a weight row) the warp-decode family renders as
+/// separate entry points; a step takes the smallest that covers it ([`token_tile`]). Each tile
+/// is its own kernel because the tokens' accumulators live in registers: a larger tile reads each
+/// row once for more tokens at the cost of registers, and so of resident warps.
+pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
+
+/// Dynamic shared memory each bulk decode kernel may take when [`fit_bulk_stages`] deepens its
+/// ring: two of them (gate_up's and down's blocks) fit on one SM of 228 KiB beside the 1 KiB each
+/// block reserves, so down's blocks stream their weights while gate_up's still run.
+pub const BULK_SMEM_BUDGET: u32 = 112 * 1024;
+
+/// Largest activation block (fp32) warp decode stages in shared memory; larger steps read the
+/// activations from global memory. Staged, a lane reads its vector's activations as
+/// conflict-free float4s instead of re-loading and widening them from global memory for every row
+/// it serves; the cap bounds the shared memory a block asks for.
+pub const X_STAGE_MAX_BYTES: u32 = 64 * 1024;
+
+/// Experts with this many tiles or more ("hot") lead the grouped family's alignment layout, and
+/// the GEMMs deal their work items and the other experts' evenly into each other (`work_item` in
+/// `grouped_gemm.cu`): a cold expert's item reads a whole weight column for a tile or two
+/// (DRAM-bound), a hot one's mostly computes, so a wave mixes both.
+pub const HOT_TILES: u32 = 4;
+
+/// Row tiles of one expert the grouped GEMMs run side by side, column block by column block, so
+/// that a wave reads each weight tile once through L2 (`work_item` in `grouped_gemm.cu`).
+pub const GROUP_TILES: u32 = 8;
+
+/// The warp-decode family's default tiles for a spec (what `DecodeTiles::for_spec` returns).
+///
+/// Eight warps per block and gate_up units of at most 4 vectors per lane per row: enough bytes in
+/// flight per warp to cover DRAM latency without spilling. The activations are staged (see
+/// [`X_STAGE_MAX_BYTES`]); the one-token down stashes 4 more vectors per lane of its first item
+/// (under the 40 KiB static budget for 8 warps). The other fields: [`down_chunk`],
+/// [`down_rows`], [`gate_up_lanes`], [`gate_up_early`] and [`bulk_kernels`], whose rings
+/// [`fit_bulk_stages`] deepens (the bulk pair is turned off where one stage does not fit).
+pub fn decode_tiles(spec: &MoeSpec) -> DecodeTiles {
+    let (bulk_gu, bulk_dn) = bulk_kernels(spec);
+    let mut t = DecodeTiles {
+        warps: 8,
+        gu_chunk: 4,
+        gu_lanes: gate_up_lanes(spec),
+        gu_early: gate_up_early(spec),
+        dn_chunk: down_chunk(spec),
+        dn_rows: down_rows(spec),
+        stage_x: true,
+        dn_stash: 4,
+        bulk_gu,
+        bulk_dn,
+        bulk_dn_h2: true,
+        bulk_gu_warps: 16,
+        bulk_dn_warps: 16,
+        bulk_gu_stages: 1,
+        bulk_dn_stages: 1,
+    };
+    if !fit_bulk_stages(&mut t, spec) {
+        (t.bulk_gu, t.bulk_dn) = (false, false);
+    }
+    t
+}
+
+/// down's vectors per lane loaded before any math (`dn_chunk`): the largest count of at most the
+/// cap (8 for 4-bit formats, whose 16-byte vectors hold 32 weights; else 4) that divides the
+/// vectors each lane owns per item and is over half the cap, so that no unit runs with idle slots;
+/// else the cap (or the whole item, if shorter).
+///
+/// Why: 4-bit items are short (6 vectors per lane for Qwen3-30B-A3B) and loading a whole one is
+/// faster than units of 3-4; wider formats run the same with 4 as with 6-8, at fewer registers.
+pub fn down_chunk(spec: &MoeSpec) -> u32 {
+    let vec = spec.weight_format().elems_per_16b();
+    let dn_vpl = (spec.top_k() * spec.intermediate() / vec).div_ceil(32);
+    let cap = if vec >= 32 { 8 } else { 4 };
+    (1..=cap).rev().find(|c| dn_vpl % c == 0 && 2 * c > cap).unwrap_or(dn_vpl.min(cap))
+}
+
+/// Hidden outputs per down item (`dn_rows`): 2 where the hidden size is even, else 1.
+///
+/// Why: every down warp reads its token's whole intermediate, and each read then serves two rows
+/// of w2, halving those reads (faster at M >= 2); four rows were no better than two. The one-token
+/// `moe_down_stash` keeps one row per item whatever this says.
+pub fn down_rows(spec: &MoeSpec) -> u32 {
+    if spec.hidden() % 2 == 0 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Lanes sharing a w13 row in the multi-token gate_up kernels (`gu_lanes`): 16 for the 4-bit
+/// formats, 32 for the others.
+///
+/// Why: a 4-bit row has few vectors per lane, so half a warp per row doubles the loads in flight
+/// per lane (a warp serves two neurons of one expert at once); wider formats have enough per lane
+/// already and gain nothing. The one-token kernel always gives a row the whole warp (16 lanes
+/// were slower there for every format).
+pub fn gate_up_lanes(spec: &MoeSpec) -> u32 {
+    if spec.weight_format().elems_per_16b() >= 32 {
+        16
+    } else {
+        32
+    }
+}
+
+/// Whether the one-token gate_up loads each warp's first unit before the block has built its
+/// routing tables (`gu_early`): for the e4m3 codes only.
+///
+/// Why: the warp's first weights are then in flight while the block builds the tables and stages
+/// the activations. That was faster for the e4m3 codes (per-channel fp8 most) and slightly slower
+/// for the integer codes.
+pub fn gate_up_early(spec: &MoeSpec) -> bool {
+    spec.weight_format().codec() == Codec::E4m3
+}
+
+/// Whether one-token steps take the bulk kernels `(gate_up, down)` by default: the bulk down for
+/// every quantized format (8 bits or fewer: 16 or more weights per 16-byte vector), the bulk
+/// gate_up beside it for the 4-bit formats; neither for 16-bit weights, which keep the
+/// register-fed pair.
+///
+/// Why: a one-token step's share of the weights per SM is small enough for one producer warp to
+/// put most of it in flight at once through bulk copies, where register-fed warps stall on every
+/// refill, and the bulk down loads its w2 before gate_up has finished. Those were the
+/// combinations that ran faster: the bulk gate_up made the 8-bit formats slower.
+pub fn bulk_kernels(spec: &MoeSpec) -> (bool, bool) {
+    let vec = spec.weight_format().elems_per_16b();
+    (vec >= 32, vec >= 16)
+}
+
+/// Sets each bulk ring of `tiles` to as many stages (up to 8) as fit [`BULK_SMEM_BUDGET`] with
+/// its consumer warps, else to one; false if one stage needs more than [`BULK_SMEM_MAX`] (or the
+/// tiles do not divide the spec). Deeper rings keep more of a block's share of the step in flight.
+pub fn fit_bulk_stages(tiles: &mut DecodeTiles, spec: &MoeSpec) -> bool {
+    if !tiles.bulk_tiles_divide(spec) {
+        return false;
+    }
+    let fit = |t: &mut DecodeTiles, gu: bool| {
+        for n in (1..=8).rev() {
+            if gu {
+                t.bulk_gu_stages = n;
+            } else {
+                t.bulk_dn_stages = n;
+            }
+            let (g, d) = bulk_smem_bytes(spec, t);
+            let bytes = if gu { g } else { d };
+            if bytes <= BULK_SMEM_BUDGET || (n == 1 && bytes <= BULK_SMEM_MAX) {
+                return true;
+            }
+        }
+        false
+    };
+    fit(tiles, true) & fit(tiles, false)
+}
+
+/// The token tile a step of `m` tokens takes: the smallest of [`TOKEN_TILES`] that covers it (the
+/// largest past it). Covering the step in one pass reads each row once; a larger tile than needed
+/// would only hold idle accumulators.
+pub fn token_tile(m: u32) -> u32 {
+    TOKEN_TILES.into_iter().find(|&t| t >= m).unwrap_or(TOKEN_TILES[TOKEN_TILES.len() - 1])
+}
+
+/// The grouped-GEMM family's default tiles for a spec on an arch (what `GemmTiles::for_spec`
+/// returns). Rows per tile are always 128 (`bm`) and one block runs per SM.
+///
+/// sm_90a (wgmma): the warp-specialised pipeline with 4 stages. GEMM1 takes 256 columns (128
+/// neurons, gate and up) where the intermediate size divides, GEMM2 256 hidden outputs where the
+/// hidden size does, else the next power of two down: wide tiles move the fewest bytes from L2
+/// per FLOP (for bf16 / fp16, 128 x 256 beat 128 x 128 already on the block-barrier pipeline).
+/// fp8 reduces each k-tile into a second accumulator to scale it, so its 256-wide tiles are
+/// multiplied in two halves of 128 (`gemm_ws.cuh`): 128 x 128 tiles would move as many bytes from
+/// L2 per FLOP as bf16's 128 x 256, at twice the rate. [`gemm_cluster`] and [`gemm_tail`] pick the
+/// cluster size and the extended items.
+///
+/// Other archs (mma.sync, block barrier per k-tile): 128 by 128 tiles (64 where the geometry
+/// does not divide), 4 stages, 3 on sm_120a (99 KiB of shared memory per block).
+pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
+    let (h, i) = (spec.hidden(), spec.intermediate());
+    if arch == Arch::Sm90a {
+        let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
+        return GemmTiles {
+            bm: 128,
+            bn1,
+            bn2,
+            stages: 4,
+            blocks_per_sm: 1,
+            mma: Mma::Wgmma,
+            warp_specialized: true,
+            cluster: gemm_cluster(spec, bn1, bn2),
+            lag: 0,
+            tail: gemm_tail(spec),
+        };
+    }
+    GemmTiles {
+        bm: 128,
+        bn1: 2 * widest(i, &[64, 32]),
+        bn2: widest(h, &[128, 64]),
+        stages: if arch == Arch::Sm120a { 3 } else { 4 },
+        blocks_per_sm: 1,
+        mma: Mma::MmaSync,
+        warp_specialized: false,
+        cluster: 1,
+        lag: 0,
+        tail: 0,
+    }
+}
+
+/// The first of `options` that divides `n`, else 64.
+fn widest(n: u32, options: &[u32]) -> u32 {
+    options.iter().copied().find(|&w| n % w == 0).unwrap_or(64)
+}
+
+/// Blocks per cluster of the warp-specialised pipeline with column tiles `bn1` / `bn2`: 2 where
+/// every work item is long (at least 32 k-tiles of 128 bytes in both GEMMs) and both GEMMs have an
+/// even number of column blocks (a cluster splits an expert's odd tile by column blocks), else 1.
+///
+/// Why: a pair of blocks reads each weight tile from L2 once for two row tiles, but each stage
+/// then waits for both blocks' consumers and every item is handed over between them; long items
+/// amortise that lockstep (Mixtral-8x7B gains), short ones do not (Qwen3-30B-A3B, 6-32 k-tiles
+/// per item, loses).
+pub fn gemm_cluster(spec: &MoeSpec, bn1: u32, bn2: u32) -> u32 {
+    let (h, i) = (spec.hidden(), spec.intermediate());
+    let elem = if is_fp8(spec.weight_format()) { 1 } else { 2 };
+    let long_items = h * elem / 128 >= 32 && i * elem / 128 >= 32;
+    let even = (i / (bn1 / 2)) % 2 == 0 && (h / bn2) % 2 == 0;
+    if long_items && even {
+        2
+    } else {
+        1
+    }
+}
+
+/// GEMM1's extended items on sm_90a (`tail`): 16 for the 16-bit formats, 0 (off) for fp8, where
+/// they remain an option (`GemmTiles::parse`).
+///
+/// Why: folding an expert's short last tile into its previous one reads that weight column once
+/// rather than twice, which is faster for bf16 / fp16; fp8 GEMM1's e4m3 epilogue already sits at
+/// the register limit and spills with the extra accumulators.
+pub fn gemm_tail(spec: &MoeSpec) -> u32 {
+    if is_fp8(spec.weight_format()) {
+        0
+    } else {
+        16
+    }
+}
