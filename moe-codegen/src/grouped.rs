@@ -79,6 +79,7 @@ pub const ROUTE_THREADS: u32 = 128;
 pub const ALIGN_THREADS: u32 = 1024;
 
 /// Dynamic shared memory of a `moe_prepare` block: each warp's router scores (f32 per expert).
+/// `prepare.cuh` asserts that its scores take exactly these.
 pub fn prepare_smem_bytes(spec: &MoeSpec) -> u32 {
     ALIGN_THREADS / 32 * spec.experts() * 4
 }
@@ -138,6 +139,8 @@ impl GemmTiles {
     /// mbarriers (the cluster's hand-over), and from the next 16 bytes each consumer warpgroup's
     /// `bn` per-column f32 scales, each consumer warp's 2 KiB of output staging and (extended
     /// items) `ext` rows of `bn / 2` 16-bit activations between the two halves of their epilogue.
+    /// `grouped_gemm.cu` asserts that its layout (`ws_smem_bytes` in `gemm_ws.cuh`, else
+    /// `TileShape::SMEM_BYTES`) takes exactly these.
     fn smem_bytes(&self, bn: u32, ext: u32) -> u32 {
         let ws = if self.warp_specialized {
             (32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048 + ext * bn / 2 * 2
@@ -246,6 +249,12 @@ struct GroupedGemmCu {
     wgmma_trans: &'static str,
     wgmma_ns: Vec<WgmmaN>,
     router: RouterCtx,
+    /// The host's dynamic shared memory per block ([`GemmTiles::gemm1_smem_bytes`],
+    /// [`GemmTiles::gemm2_smem_bytes`], [`prepare_smem_bytes`]), checked by the template's
+    /// `static_assert`s against the kernels' layouts.
+    gemm1_smem: u32,
+    gemm2_smem: u32,
+    prepare_smem: u32,
 }
 
 /// Render the grouped-GEMM family with explicit tiles.
@@ -382,6 +391,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         wgmma_trans: if elem_bytes == 2 { ", 0, 0" } else { "" },
         wgmma_ns: ns.into_iter().map(|n| WgmmaN { n, regs: n / 2 }).collect(),
         router,
+        gemm1_smem: tiles.gemm1_smem_bytes(spec),
+        gemm2_smem: tiles.gemm2_smem_bytes(),
+        prepare_smem: prepare_smem_bytes(spec),
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
@@ -499,6 +511,25 @@ mod tests {
                 let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, f), arch);
                 let s = spec(2048, 768, 128, 8, f);
                 assert!(t.gemm1_smem_bytes(&s).max(t.gemm2_smem_bytes()) <= max, "{arch} {f}: {t:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_hosts_smem_sizes_reach_the_source() {
+        // grouped_gemm.cu and prepare.cuh static_assert their layouts against these.
+        for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+            let s = spec(2048, 768, 128, 8, f);
+            for arch in Arch::ALL {
+                let t = GemmTiles::for_spec(&s, arch);
+                let k = render_grouped(&s, arch, t).unwrap().source;
+                for (name, v) in [
+                    ("HOST_GEMM1_SMEM", t.gemm1_smem_bytes(&s)),
+                    ("HOST_GEMM2_SMEM", t.gemm2_smem_bytes()),
+                    ("HOST_PREPARE_SMEM", prepare_smem_bytes(&s)),
+                ] {
+                    assert!(k.contains(&format!("constexpr int {name} = {v};")), "{f} {arch}: {name} = {v}");
+                }
             }
         }
     }

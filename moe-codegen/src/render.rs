@@ -111,7 +111,8 @@ pub fn resolve_dequant(spec: &MoeSpec, arch: Arch) -> Result<DequantVariant, Cod
 }
 
 /// Static shared memory the dequant include of `spec` on `arch` declares (the `lut` table), in
-/// bytes: it comes on top of the routing tables' dynamic shared memory.
+/// bytes: it comes on top of the routing tables' dynamic shared memory. `warp_decode.cu` asserts
+/// that its table takes exactly these.
 pub fn static_smem_bytes(spec: &MoeSpec, arch: Arch) -> u32 {
     match resolve_dequant(spec, arch) {
         Ok(DequantVariant::Lut) => 4 * if spec.weight_format().elem_bits() == 4 { 16 } else { 256 },
@@ -259,6 +260,15 @@ struct WarpDecodeCu {
     bulk_gu_stages: u32,
     bulk_dn_stages: u32,
     token_tiles: [u32; 4],
+    /// The host's sizing terms, checked by the template's `static_assert`s.
+    smem: DecodeSmem,
+    /// [`bulk_smem_bytes`]: the bulk kernels' dynamic shared memory.
+    bulk_gu_smem: u32,
+    bulk_dn_smem: u32,
+    /// The down stash's static shared memory the render checks against [`DN_STASH_MAX_BYTES`].
+    dn_stash_smem: u32,
+    /// [`static_smem_bytes`]: the dequant include's static shared memory.
+    static_smem: u32,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -311,7 +321,8 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         });
     }
     // The stash is static shared memory, next to the LUT tables: keep the block under 48 KiB.
-    if tiles.warps * tiles.dn_stash * 512 + static_smem_bytes(spec, arch) > DN_STASH_MAX_BYTES {
+    let (dn_stash_smem, static_smem) = (tiles.warps * tiles.dn_stash * 512, static_smem_bytes(spec, arch));
+    if dn_stash_smem + static_smem > DN_STASH_MAX_BYTES {
         return Err(CodegenError::Unsupported {
             family: KernelFamily::WarpDecode,
             arch,
@@ -370,6 +381,11 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         bulk_gu_stages: tiles.bulk_gu_stages,
         bulk_dn_stages: tiles.bulk_dn_stages,
         token_tiles: TOKEN_TILES,
+        smem: DecodeSmem::new(spec),
+        bulk_gu_smem: gu,
+        bulk_dn_smem: dn,
+        dn_stash_smem,
+        static_smem,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
@@ -478,17 +494,65 @@ pub const BULK_SMEM_MAX: u32 = 227 * 1024;
 /// Static shared memory warp decode's down stash may take with the LUT tables (of 48 KiB).
 pub const DN_STASH_MAX_BYTES: u32 = 40 * 1024;
 
+/// Warp decode's shared-memory sizing terms for a spec, computed here and nowhere else: the host's
+/// byte counts ([`routing_smem_bytes`], [`decode_smem_bytes`], [`decode_down_smem_bytes`],
+/// [`bulk_smem_bytes`], [`decode_mid_floats`]) are built from them, and [`render_warp_decode`]
+/// passes them to `warp_decode.cu` (the `HOST_*` constants), whose `static_assert`s check the
+/// module's own layout against them for every step size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DecodeSmem {
+    /// Routing tables (`routing.cuh`), bytes that do not depend on the step: the expert map and
+    /// the unique count.
+    routing_fixed: u32,
+    /// Routing tables, bytes per (token, slot) pair: its entry, its rank and two ints of scratch.
+    routing_per_pair: u32,
+    /// Routing tables, bytes per possible unique expert (min(pairs, experts) of them): its id,
+    /// count and first entry, and two ints of scratch.
+    routing_per_unique: u32,
+    /// Bytes of one token staged as fp32 (`stage_x`): whole 32-vector chunks.
+    x_token: u32,
+    /// Bytes per token of the exponent slot before the staged tokens (16-byte aligned as a whole).
+    x_exp: u32,
+    /// The staged tokens' fp32 bytes the host sizes for at most ([`X_STAGE_MAX_BYTES`]).
+    x_max: u32,
+    /// Bytes per (token, slot) pair of `moe_down`'s ids and routing weights (16-byte aligned as a
+    /// whole).
+    down_per_pair: u32,
+    /// fp32 elements of one intermediate row (global memory): whole 32-vector chunks.
+    mid_row_floats: u32,
+}
+
+impl DecodeSmem {
+    fn new(spec: &MoeSpec) -> DecodeSmem {
+        let vec = spec.weight_format().elems_per_16b();
+        DecodeSmem {
+            routing_fixed: 4 * (spec.experts() + 1),
+            routing_per_pair: 4 * 4,
+            routing_per_unique: 4 * 5,
+            x_token: (spec.hidden() / vec).div_ceil(32) * vec * 32 * 4,
+            x_exp: 4,
+            x_max: X_STAGE_MAX_BYTES,
+            down_per_pair: 4 + 4,
+            mid_row_floats: (spec.intermediate() / vec).div_ceil(32) * 32 * vec,
+        }
+    }
+
+    fn routing(&self, spec: &MoeSpec, m: u32) -> u32 {
+        let pairs = m * spec.top_k();
+        self.routing_fixed + self.routing_per_pair * pairs + self.routing_per_unique * pairs.min(spec.experts())
+    }
+}
+
 /// Dynamic shared memory of a warp-decode step of `m` tokens: the routing tables, then, when they
 /// fit in [`X_STAGE_MAX_BYTES`] as fp32, the staged activations (fp32, or fp16 pairs in half of
 /// that space for formats with a packed-half decode) after a slot of `m` per-token scale
-/// exponents (mirrors `stage_x` in `warp_decode.cu`).
+/// exponents. `warp_decode.cu` checks its layout (`x_stage_smem`, `stage_x`) against it.
 pub fn decode_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
-    let routing = routing_smem_bytes(spec, m).next_multiple_of(16);
-    let vec = spec.weight_format().elems_per_16b();
-    let per_token = (spec.hidden() / vec).div_ceil(32) as u64 * vec as u64 * 32 * 4;
-    let xs = m as u64 * per_token;
+    let t = DecodeSmem::new(spec);
+    let routing = t.routing(spec, m).next_multiple_of(16);
+    let xs = m as u64 * t.x_token as u64;
     // The staged tokens follow a 16-byte slot of m ints (the packed-half path's scale exponents).
-    routing + if xs <= X_STAGE_MAX_BYTES as u64 { (4 * m).next_multiple_of(16) + xs as u32 } else { 0 }
+    routing + if xs <= t.x_max as u64 { (t.x_exp * m).next_multiple_of(16) + xs as u32 } else { 0 }
 }
 
 /// Bytes of one bulk gate_up tile (a gate and an up row per consumer warp) and one bulk down tile
@@ -499,43 +563,40 @@ fn bulk_tile_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
     (2 * tiles.bulk_gu_warps * row13, spec.top_k() * tiles.bulk_dn_warps * row2)
 }
 
-/// Dynamic shared memory of the bulk one-token kernels `(gate_up, down)` (mirrors
-/// `decode_bulk.cuh`): each ring's mbarriers (gate_up: one full barrier per consumer warp and an
-/// empty one per stage; down: one of each per stage), then gate_up's staged token (a 16-byte
-/// slot, then the fp32 layout of `stage_x`) and its stages; down's ids, weights and the
-/// intermediate's exponents, the intermediate (fp32 rows, or fp16 pairs in half of them) and its
-/// stages.
+/// Dynamic shared memory of the bulk one-token kernels `(gate_up, down)`: each ring's mbarriers
+/// (gate_up: one full barrier per consumer warp and an empty one per stage; down: one of each per
+/// stage), then gate_up's staged token (a 16-byte slot, then the fp32 layout of `stage_x`) and its
+/// stages; down's ids, weights and the intermediate's exponents, the intermediate (fp32 rows, or
+/// fp16 pairs in half of them) and its stages. `decode_bulk.cuh` asserts that its layout takes
+/// exactly these.
 pub fn bulk_smem_bytes(spec: &MoeSpec, tiles: &DecodeTiles) -> (u32, u32) {
-    let vec = spec.weight_format().elems_per_16b();
-    let xs_token = (spec.hidden() / vec).div_ceil(32) * vec * 32 * 4;
+    let t = DecodeSmem::new(spec);
     let (gu_tile, dn_tile) = bulk_tile_bytes(spec, tiles);
     let bars = |stages: u32, q: u32| (8 * stages * (q + 1)).next_multiple_of(128);
     let (gs, ds) = (tiles.bulk_gu_stages, tiles.bulk_dn_stages);
-    let gu = bars(gs, tiles.bulk_gu_warps) + (16 + xs_token).next_multiple_of(128) + gs * gu_tile;
-    let mid = decode_mid_floats(spec, 1) as u32 * 4;
+    let gu = bars(gs, tiles.bulk_gu_warps) + (16 + t.x_token).next_multiple_of(128) + gs * gu_tile;
+    let mid = spec.top_k() * t.mid_row_floats * 4;
     let dn = bars(ds, 1) + (12 * spec.top_k()).next_multiple_of(128) + mid + ds * dn_tile;
     (gu, dn)
 }
 
 /// Dynamic shared memory of warp decode's down kernel for a step of `m` tokens: the step's ids and
-/// routing weights (mirrors `moe_down` in `warp_decode.cu`).
+/// routing weights (`moe_down` in `warp_decode.cu`, which checks the per-pair bytes).
 pub fn decode_down_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
-    (m * spec.top_k() * 8).next_multiple_of(16)
+    (m * spec.top_k() * DecodeSmem::new(spec).down_per_pair).next_multiple_of(16)
 }
 
 /// fp32 elements of warp decode's intermediate for a step of `m` tokens: one row per (token,
-/// slot) pair, padded to whole 32-vector chunks (mirrors `MID_ROW` in `warp_decode.cu`).
+/// slot) pair, padded to whole 32-vector chunks (`warp_decode.cu` asserts that its `MID_ROW` is
+/// this row).
 pub fn decode_mid_floats(spec: &MoeSpec, m: u32) -> usize {
-    let vec = spec.weight_format().elems_per_16b();
-    let row = (spec.intermediate() / vec).div_ceil(32) as usize * 32 * vec as usize;
-    m as usize * spec.top_k() as usize * row
+    m as usize * spec.top_k() as usize * DecodeSmem::new(spec).mid_row_floats as usize
 }
 
-/// Shared-memory bytes the routing tables of a step of `m` tokens need (mirrors `routing.cuh`).
+/// Shared-memory bytes the routing tables of a step of `m` tokens need (`warp_decode.cu` asserts
+/// that `routing.cuh`'s tables take exactly these).
 pub fn routing_smem_bytes(spec: &MoeSpec, m: u32) -> u32 {
-    let pairs = m * spec.top_k();
-    let e = spec.experts();
-    4 * (e + 5 * pairs.min(e) + 4 * pairs + 1)
+    DecodeSmem::new(spec).routing(spec, m)
 }
 
 /// Every (family, format) a geometry accepts, as specs with the format's default dequant variant
@@ -761,6 +822,35 @@ mod tests {
         assert!(e.to_string().contains("3 rows per down item"), "{e}");
         assert_eq!(decode_down_smem_bytes(&s, 1), 64);
         assert_eq!(decode_down_smem_bytes(&s, 3), 192);
+    }
+
+    #[test]
+    fn the_hosts_smem_sizes_reach_the_source() {
+        // warp_decode.cu and decode_bulk.cuh static_assert their layouts against these.
+        let s = qwen(WeightFormat::Int4G128);
+        let t = DecodeTiles::for_spec(&s);
+        let k = render_warp_decode(&s, Arch::Sm90a, t).unwrap().source;
+        let (gu, dn) = bulk_smem_bytes(&s, &t);
+        for (name, v) in [
+            ("HOST_ROUTING_FIXED", routing_smem_bytes(&s, 0)),
+            ("HOST_ROUTING_PER_PAIR", 16),
+            ("HOST_ROUTING_PER_UNIQUE", 20),
+            ("HOST_X_TOKEN", decode_smem_bytes(&s, 1) - routing_smem_bytes(&s, 1).next_multiple_of(16) - 16),
+            ("HOST_X_MAX", X_STAGE_MAX_BYTES),
+            ("HOST_DOWN_PER_PAIR", decode_down_smem_bytes(&s, 2) / (2 * 8)),
+            ("HOST_MID_ROW", decode_mid_floats(&s, 1) as u32 / 8),
+            ("HOST_DN_STASH", t.warps * t.dn_stash * 512),
+            ("HOST_STATIC_SMEM", 0),
+            ("HOST_BK_GU_SMEM", gu),
+            ("HOST_BK_DN_SMEM", dn),
+        ] {
+            assert!(k.contains(&format!("constexpr int {name} = {v};")), "{name} = {v}");
+        }
+        let lut = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Int8).dequant(DequantVariant::Lut);
+        let k = render(&lut.build().unwrap(), KernelFamily::WarpDecode, Arch::Sm90a).unwrap().source;
+        assert!(
+            k.contains("constexpr int HOST_STATIC_SMEM = 1024;") && k.contains("sizeof(w_lut) == HOST_STATIC_SMEM")
+        );
     }
 
     #[test]

@@ -52,7 +52,7 @@ struct BkRing {
 };
 using GuRing = BkRing<BK_GU_STAGES, GW>;
 using DnRing = BkRing<BK_DN_STAGES, 1>;
-// Dynamic shared memory (mirrored on the host by bulk_smem_bytes): the ring's barriers, then
+// Dynamic shared memory (exactly the host's bulk_smem_bytes: asserted below): the ring's barriers, then
 //   gate_up: the staged token (a 16-byte exponent slot, then XS_TOKEN_FLOATS floats), the stages;
 //   down: the step's ids, weights and mid's exponents, mid (TOP_K rows of MID_ROW floats, or half
 //     that as fp16 pairs), the stages.
@@ -61,6 +61,13 @@ constexpr int BK_GU_STAGE0 = BK_GU_X + align128(16 + XS_TOKEN_FLOATS * 4);
 constexpr int BK_DN_PAIRS = DnRing::BYTES;
 constexpr int BK_DN_MID = BK_DN_PAIRS + align128(12 * TOP_K);
 constexpr int BK_DN_STAGE0 = BK_DN_MID + TOP_K * MID_ROW * 4;
+constexpr int HOST_BK_GU_SMEM = {{ bulk_gu_smem }};  // bulk_smem_bytes: gate_up's,
+constexpr int HOST_BK_DN_SMEM = {{ bulk_dn_smem }};  // down's
+static_assert(BK_GU_STAGE0 + BK_GU_STAGES * BK_GU_TILE == HOST_BK_GU_SMEM &&
+                  BK_DN_STAGE0 + BK_DN_STAGES * BK_DN_TILE == HOST_BK_DN_SMEM,
+              "the bulk kernels' dynamic shared memory (bulk_smem_bytes)");
+static_assert(x_stage_bytes(1) <= BK_GU_STAGE0 - BK_GU_X && 3 * TOP_K * sizeof(int) <= BK_DN_MID - BK_DN_PAIRS,
+              "gate_up's staged token; down's ids, weights and exponents");
 
 // Barrier 1: the N consumer warps only (the producer never waits on them this way).
 template <int N>

@@ -122,9 +122,11 @@ __device__ __forceinline__ void set_max_regs_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
-// Where the consumer warpgroups' per-column floats start: past the barriers and item slots.
+// Where the consumer warpgroups' per-column floats start: past the barriers and item slots (bars
+// is 1024-aligned: the stages' end).
+__host__ __device__ constexpr unsigned ws_cols_off() { return (32 * STAGES + 32 + 8 + 15) & ~15u; }
 __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
-    return (bars + 32 * STAGES + 32 + 8 + 15) & ~15u;
+    return bars + ws_cols_off();
 }
 // Each consumer warp's 2 KiB for staging its output rows (store_warp_rows), past the cols.
 template <int BN>
@@ -134,8 +136,16 @@ __device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
 // Past the staging: an extended item's EXT rows x BN / 2 activations (act_t), between ext_act
 // and ext_store (extended items only).
 template <int BN>
+__host__ __device__ constexpr unsigned ws_ext_off() { return ws_cols_off() + 2 * BN * 4 + 8 * 2048; }
+template <int BN>
 __device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
-    return ws_cols_addr(bars) + 2 * BN * 4 + 8 * 2048;
+    return bars + ws_ext_off<BN>();
+}
+// The dynamic shared memory ws_gemm<BN, .., EXT> takes: 1 KiB of alignment slack, the stages,
+// then from bars up to the end of the extended rows (checked against the host's in grouped_gemm.cu).
+template <int BN, int EXT>
+__host__ __device__ constexpr int ws_smem_bytes() {
+    return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
 }
 // An extended item's rows BM .. BM + EXT of stage (sa, sb) against consumer warpgroup wg's 64
 // of each half of the BN = 256 weight rows (the gate neurons 64 wg .. and their up rows), as

@@ -48,6 +48,11 @@ constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or m
 // pairs (extended items, gemm_ws.cuh): that tile would cost a whole weight column for them.
 constexpr int TAIL = {{ tail }};
 static_assert(TAIL == 0 || (MOE_WS && CLUSTER == 1), "extended items on the warp-specialised pipeline, no clusters");
+// The host's dynamic shared memory per block, computed once by the renderer (GemmTiles::
+// gemm1_smem_bytes / gemm2_smem_bytes, prepare_smem_bytes): checked against the layouts below.
+constexpr int HOST_GEMM1_SMEM = {{ gemm1_smem }};
+constexpr int HOST_GEMM2_SMEM = {{ gemm2_smem }};
+constexpr int HOST_PREPARE_SMEM = {{ prepare_smem }};
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
@@ -65,6 +70,13 @@ __device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
 {% if ws == 1 %}{% include "mbarrier.cuh" %}{% include "gemm_ws.cuh" %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
+#if MOE_WS
+static_assert(ws_smem_bytes<BN1, TAIL>() == HOST_GEMM1_SMEM && ws_smem_bytes<BN2, 0>() == HOST_GEMM2_SMEM,
+              "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
+#else
+static_assert(TileShape<BN1>::SMEM_BYTES == HOST_GEMM1_SMEM && TileShape<BN2>::SMEM_BYTES == HOST_GEMM2_SMEM,
+              "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
+#endif
 
 // Eight values times inv to e4m3 (saturating), packed in order.
 __device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {

@@ -16,6 +16,7 @@
 //   xs_token  fp8: x's scales by token (quant_token); X_PER_ROW: each then copied to the rows of
 //             the token's pairs (xs_row), where GEMM1 reads it
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
+static_assert(PREPARE_WARPS * EXPERTS * sizeof(float) == HOST_PREPARE_SMEM, "each warp's scores (prepare_smem_bytes)");
 
 // Every thread of every block: this block's writes before, the others' after (the launch is
 // cooperative, so all blocks are resident and the spin ends). target: arrivals expected so far.

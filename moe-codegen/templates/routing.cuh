@@ -14,15 +14,18 @@ struct Routing {
 };
 
 // Shared-memory ints the routing needs for a step of num_pairs pairs, plus scratch for the caller:
-// two ints per possible unique expert (scratch 0 and 1) and two per pair (scratch 2), mirrored on
-// the host by routing_smem_bytes.
+// two ints per possible unique expert (scratch 0 and 1) and two per pair (scratch 2). The host's
+// routing_smem_bytes is checked against it (warp_decode.cu).
 __host__ __device__ constexpr int routing_smem_ints(int num_pairs, int experts) {
     return experts + 5 * (num_pairs < experts ? num_pairs : experts) + 4 * num_pairs + 1;
 }
-// Scratch array `which`: 0 or 1 (one int per possible unique expert) or 2 (two ints per pair).
+// Scratch array `which`: 0 or 1 (one int per possible unique expert) or 2 (two ints per pair), at
+// this many ints into the tables (scratch 2 ends at routing_smem_ints: checked where it is used).
+__host__ __device__ constexpr int routing_scratch_ints(int num_pairs, int experts, int which) {
+    return experts + (3 + which) * (num_pairs < experts ? num_pairs : experts) + 2 * num_pairs + 1;
+}
 __device__ __forceinline__ int* routing_scratch(int* smem, int num_pairs, int experts, int which) {
-    const int umax = num_pairs < experts ? num_pairs : experts;
-    return smem + experts + (3 + which) * umax + 2 * num_pairs + 1;
+    return smem + routing_scratch_ints(num_pairs, experts, which);
 }
 
 __device__ __forceinline__ unsigned lanemask_lt() {

@@ -47,11 +47,58 @@ constexpr int XS_MAX_BYTES = {{ xs_max_bytes }};
 __host__ __device__ constexpr bool x_staged(int m) { return (long)m * XS_TOKEN_FLOATS * 4 <= XS_MAX_BYTES; }
 
 // The staged activations follow the routing tables, 16-byte aligned: one 16-byte-aligned slot of
-// m ints (the per-token scale exponents of the packed-half path), then the tokens (mirrored on the
-// host by decode_smem_bytes).
+// m ints (the per-token scale exponents of the packed-half path), then the tokens (the host's
+// decode_smem_bytes is checked against it below).
+__host__ __device__ constexpr int x_stage_ints(int m) { return (routing_smem_ints(m * TOP_K, EXPERTS) + 3) & ~3; }
 __device__ __forceinline__ float4* x_stage_smem(int* smem, int m) {
-    return reinterpret_cast<float4*>(smem + ((routing_smem_ints(m * TOP_K, EXPERTS) + 3) & ~3));
+    return reinterpret_cast<float4*>(smem + x_stage_ints(m));
 }
+// float4s of the exponent slot (W_H2), and the bytes the staging of m tokens takes from
+// x_stage_smem on: fp32, the tokens; W_H2, the slot, then the tokens' fp16 pairs (half the bytes).
+__host__ __device__ constexpr int x_exp_slot_f4(int m) { return (m + 3) / 4; }
+__host__ __device__ constexpr long x_stage_bytes(int m) {
+    return W_H2 ? 16L * x_exp_slot_f4(m) + (long)m * VPL_H * (W_VEC / 8) * 32 * 16 : (long)m * XS_TOKEN_FLOATS * 4;
+}
+
+// The host's sizing, computed once by the renderer (moe-codegen render.rs, DecodeSmem) and
+// checked here against this module's layout: the routing tables exactly, the staging within the
+// host's bytes for every step size (past the loop's last m both sides grow alike).
+constexpr int HOST_ROUTING_FIXED = {{ smem.routing_fixed }};            // routing bytes: fixed,
+constexpr int HOST_ROUTING_PER_PAIR = {{ smem.routing_per_pair }};      // per (token, slot) pair,
+constexpr int HOST_ROUTING_PER_UNIQUE = {{ smem.routing_per_unique }};  // per possible unique expert
+constexpr int HOST_X_TOKEN = {{ smem.x_token }};  // bytes of a token staged as fp32
+constexpr int HOST_X_EXP = {{ smem.x_exp }};      // bytes per token of the exponent slot
+constexpr int HOST_X_MAX = {{ smem.x_max }};      // the host sizes for staged tokens while their fp32 bytes fit
+constexpr int HOST_DOWN_PER_PAIR = {{ smem.down_per_pair }};  // moe_down: bytes per pair (sid, swt)
+constexpr int HOST_MID_ROW = {{ smem.mid_row_floats }};       // fp32 per intermediate row (MID_ROW)
+constexpr int HOST_DN_STASH = {{ dn_stash_smem }};            // bytes the host allows down's stash
+constexpr int HOST_STATIC_SMEM = {{ static_smem }};           // the dequant include's static bytes
+__host__ __device__ constexpr long host_routing_bytes(int m) {
+    const long p = (long)m * TOP_K;
+    return HOST_ROUTING_FIXED + HOST_ROUTING_PER_PAIR * p + HOST_ROUTING_PER_UNIQUE * (p < EXPERTS ? p : EXPERTS);
+}
+__host__ __device__ constexpr long host_decode_smem(int m) {  // decode_smem_bytes
+    const long xs = (long)m * HOST_X_TOKEN;
+    return ((host_routing_bytes(m) + 15) & ~15L) + (xs <= HOST_X_MAX ? ((HOST_X_EXP * (long)m + 15) & ~15L) + xs : 0);
+}
+__host__ __device__ constexpr bool decode_smem_fits_host() {
+    for (int m = 1; m <= EXPERTS + 2 + HOST_X_MAX / HOST_X_TOKEN; ++m) {
+        const int p = m * TOP_K;
+        if (4L * routing_smem_ints(p, EXPERTS) != host_routing_bytes(m)) return false;
+        if (routing_scratch_ints(p, EXPERTS, 2) + 2 * p != routing_smem_ints(p, EXPERTS)) return false;
+        if (4L * x_stage_ints(m) + (x_staged(m) ? x_stage_bytes(m) : 0) > host_decode_smem(m)) return false;
+    }
+    return true;
+}
+static_assert(HOST_X_TOKEN == XS_TOKEN_FLOATS * 4 && HOST_X_EXP == sizeof(int) && XS_MAX_BYTES <= HOST_X_MAX,
+              "stage_x's token and exponent slot as the host sizes them (decode_smem_bytes)");
+static_assert(decode_smem_fits_host(), "routing tables and staged tokens within decode_smem_bytes");
+static_assert(HOST_DOWN_PER_PAIR == sizeof(int) + sizeof(float), "moe_down's ids and weights (decode_down_smem_bytes)");
+{%- if fmt.variant == "lut" %}
+static_assert(sizeof(w_lut) == HOST_STATIC_SMEM, "the LUT table's static shared memory (static_smem_bytes)");
+{%- else %}
+static_assert(HOST_STATIC_SMEM == 0, "no static shared memory in the dequant include (static_smem_bytes)");
+{%- endif %}
 
 // The step's activations as gate_up reads them: fp32 (f32, in the layout above), or, for formats
 // with a packed-half decode (W_H2), fp16 pairs in the codec's pair order (h2), token t scaled by
@@ -85,7 +132,7 @@ static_assert(h2_quads_repeat(), "pair order must repeat every 8 elements");
 // The views of the staging area (xs: null when the step is not staged).
 __device__ __forceinline__ XStage x_views(int m, float4* xs) {
     if (!xs) return XStage{ nullptr, nullptr, nullptr };
-    if constexpr (W_H2) return XStage{ nullptr, reinterpret_cast<const uint4*>(xs + (m + 3) / 4), reinterpret_cast<const int*>(xs) };
+    if constexpr (W_H2) return XStage{ nullptr, reinterpret_cast<const uint4*>(xs + x_exp_slot_f4(m)), reinterpret_cast<const int*>(xs) };
     return XStage{ xs, nullptr, nullptr };
 }
 
@@ -106,7 +153,7 @@ __device__ __noinline__ void stage_x(const act_t* __restrict__ x, int m, float4*
     constexpr int Q = HIDDEN / 8;  // eight activations (one uint4) per step
     if constexpr (W_H2) {
         int* xexp = reinterpret_cast<int*>(xs);
-        uint4* xh = reinterpret_cast<uint4*>(xs + (m + 3) / 4);
+        uint4* xh = reinterpret_cast<uint4*>(xs + x_exp_slot_f4(m));
         for (int t = 0; t < m; ++t) {
             const uint4* xt = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
             // Every warp finds the token's max |x| itself (float bits order like the floats when
@@ -230,9 +277,10 @@ __device__ __forceinline__ void load_x(const act_t* __restrict__ x, const float4
 // vector v = 32 c + l of the row (W_VEC elements), float4 k of it, at (c * W_VEC / 4 + k) * 32 + l
 // float4s into the row. A warp's float4 loads of 32 consecutive vectors are then 512 contiguous
 // bytes, where the natural order would touch 32 lines per load. gate_up writes single floats
-// anyway, so the order costs it nothing. Rows are padded to whole 32-vector chunks (mirrored on
-// the host by decode_mid_floats).
+// anyway, so the order costs it nothing. Rows are padded to whole 32-vector chunks (the host's
+// decode_mid_floats and the bulk down's shared memory take rows of HOST_MID_ROW).
 constexpr int MID_ROW = VPL_I * 32 * W_VEC;
+static_assert(MID_ROW == HOST_MID_ROW, "the intermediate's rows as the host sizes them (decode_mid_floats)");
 __device__ __forceinline__ long mid_index(int p, int n) {
     const int v = n / W_VEC;
     const int e = n - v * W_VEC;
@@ -574,6 +622,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
     load(item, 0, wv, wsc, rsc);
     const int first = item;
     __shared__ uint4 stash[DN_STASH > 0 ? WARPS : 1][DN_STASH > 0 ? DN_STASH : 1][32];
+    static_assert(DN_STASH <= 0 || sizeof(stash) <= HOST_DN_STASH, "the stash within what the host allows it");
     WScale ssc[DN_STASH > 0 ? DN_STASH : 1];
     float srs[DN_STASH > 0 ? DN_STASH : 1];
     uint4(&mine)[DN_STASH > 0 ? DN_STASH : 1][32] = stash[DN_STASH > 0 ? threadIdx.x >> 5 : 0];
