@@ -62,8 +62,8 @@ pub fn decode_tiles(spec: &MoeSpec) -> DecodeTiles {
         bulk_gu,
         bulk_dn,
         bulk_dn_h2: true,
-        bulk_gu_warps: 16,
-        bulk_dn_warps: 16,
+        bulk_gu_warps: bulk_warps(spec.intermediate()),
+        bulk_dn_warps: bulk_warps(spec.hidden()),
         bulk_gu_stages: 1,
         bulk_dn_stages: 1,
     };
@@ -71,6 +71,12 @@ pub fn decode_tiles(spec: &MoeSpec) -> DecodeTiles {
         (t.bulk_gu, t.bulk_dn) = (false, false);
     }
     t
+}
+
+/// Consumer warps of a bulk ring: 16, or the most under it that divide the rows the ring tiles
+/// (`n`), so that every spec the builder accepts renders (the bulk kernels may still be off).
+fn bulk_warps(n: u32) -> u32 {
+    (1..=16).rev().find(|w| n % w == 0).unwrap_or(1)
 }
 
 /// down's vectors per lane loaded before any math (`dn_chunk`): the largest count of at most the

@@ -102,3 +102,15 @@ fn bf16_weights_with_fp16_activations_have_no_grouped_family() {
     let fp8 = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Fp8E4m3).act_dtype(ActDtype::Fp16);
     assert!(grouped_support(&fp8.build().unwrap()).is_ok(), "fp8 quantizes x from either dtype");
 }
+
+/// Hidden sizes that hold whole 16-byte vectors but not 16 bulk warps' rows (found by the
+/// property test above): the bulk rings take fewer consumer warps, and warp decode renders.
+#[test]
+fn odd_hidden_sizes_render() {
+    for h in [72u32, 104, 136, 2888] {
+        let spec = MoeSpec::builder(h, 64, 8, 2).build().unwrap();
+        for arch in Arch::ALL {
+            render(&spec, KernelFamily::WarpDecode, arch).unwrap_or_else(|e| panic!("hidden {h} on {arch}: {e}"));
+        }
+    }
+}
