@@ -16,8 +16,10 @@ use crate::spec::{Arch, MoeSpec};
 /// Token tiles (tokens served per pass over a weight row) the warp-decode family renders as
 /// separate entry points; a step takes the smallest that covers it ([`token_tile`]). Each tile
 /// is its own kernel because the tokens' accumulators live in registers: a larger tile reads each
-/// row once for more tokens at the cost of registers, and so of resident warps.
-pub const TOKEN_TILES: [u32; 4] = [1, 2, 4, 8];
+/// row once for more tokens at the cost of registers, and so of resident warps: past 4 the cost
+/// wins (an 8-token tile needs about 150 registers and halves the resident warps), and with many
+/// experts an expert rarely serves more than 4 tokens of a decode step.
+pub const TOKEN_TILES: [u32; 3] = [1, 2, 4];
 
 /// Dynamic shared memory each bulk decode kernel may take when [`fit_bulk_stages`] deepens its
 /// ring: two of them (gate_up's and down's blocks) fit on one SM of 228 KiB beside the 1 KiB each

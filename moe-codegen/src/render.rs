@@ -130,14 +130,14 @@ pub struct DecodeTiles {
     /// At most this many 16-byte vectors per lane per w13 row loaded before any math (gate_up;
     /// fewer when the row has fewer per lane).
     pub gu_chunk: u32,
-    /// Lanes that share a w13 row in the multi-token gate_up kernels (token tiles 2-8): 32, or
+    /// Lanes that share a w13 row in the multi-token gate_up kernels (token tiles 2 and 4): 32, or
     /// 16 (a warp then serves two neighbouring neurons of one expert at once, with twice the
     /// vectors per lane in flight). The one-token kernel always gives a row the whole warp.
     pub gu_lanes: u32,
     /// 16-byte vectors per lane loaded before any math (down, whose warps spread an item's
     /// top_k rows over their lanes as one flat run of vectors).
     pub dn_chunk: u32,
-    /// Hidden outputs (rows of w2) per item of `moe_down` and the fused kernels: each read of the
+    /// Hidden outputs (rows of w2) per item of `moe_down`: each read of the
     /// intermediate serves that many rows. Divides the hidden size. `moe_down_stash` (M = 1)
     /// always takes one.
     pub dn_rows: u32,
@@ -259,7 +259,7 @@ struct WarpDecodeCu {
     bulk_dn_warps: u32,
     bulk_gu_stages: u32,
     bulk_dn_stages: u32,
-    token_tiles: [u32; 4],
+    token_tiles: [u32; TOKEN_TILES.len()],
     /// The host's sizing terms, checked by the template's `static_assert`s.
     smem: DecodeSmem,
     /// [`bulk_smem_bytes`]: the bulk kernels' dynamic shared memory.
@@ -480,7 +480,7 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
             ["moe_down", "moe_down_stash", "moe_gate_up_bulk", "moe_down_bulk", "moe_ids_from_i64"]
                 .map(String::from)
                 .into_iter()
-                .chain(TOKEN_TILES.iter().flat_map(|mt| ["gate_up", "fused"].map(|k| format!("moe_{k}_t{mt}"))))
+                .chain(TOKEN_TILES.iter().map(|mt| format!("moe_gate_up_t{mt}")))
                 .collect()
         }
         KernelFamily::GroupedGemm => grouped::entry_points(),
@@ -907,7 +907,7 @@ mod tests {
         assert_eq!(decode_mid_floats(&s, 1), 8 * 768);
         assert_eq!(DecodeTiles::token_tile(1), 1);
         assert_eq!(DecodeTiles::token_tile(3), 4);
-        assert_eq!(DecodeTiles::token_tile(64), 8);
+        assert_eq!(DecodeTiles::token_tile(64), 4);
         // 128 map + 5*8 + 4*8 + 1 ints at M = 1.
         assert_eq!(routing_smem_bytes(&s, 1), 4 * (128 + 40 + 32 + 1));
         // Plus a 16-byte slot of per-token exponents and 2048 fp32 activations per token while

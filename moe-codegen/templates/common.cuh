@@ -93,26 +93,6 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// Release / acquire on a counter in global memory shared across the grid.
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// A plain (weak, L1-cacheable) global load the compiler cannot turn into ld.global.nc.
-__device__ __forceinline__ float4 ld_weak(const float4* p) {
-    float4 v;
-    asm volatile("ld.global.v4.f32 { %0, %1, %2, %3 }, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
 // Eight 16-bit activations packed in a uint4, widened to fp32.
 __device__ __forceinline__ void widen8(const uint4 v, const __nv_bfloat16*, float (&a)[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

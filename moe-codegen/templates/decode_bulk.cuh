@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
                 } else {
                     float w[W_VEC], a[W_VEC];
                     dequant_vec(q, cur.ws[i], w);
-                    load_mid<false, true>(ms, s, v, a);
+                    load_mid<true>(ms, s, v, a);
                     acc = fmaf(swt[s] * cur.rs[i], dot(w, a, cur.ws[i]), acc);
                 }
             }

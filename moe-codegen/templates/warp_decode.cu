@@ -287,16 +287,14 @@ __device__ __forceinline__ long mid_index(int p, int n) {
     return (long)p * MID_ROW + (((v >> 5) * (W_VEC / 4) + (e >> 2)) * 32 + (v & 31)) * 4 + (e & 3);
 }
 
-// The W_VEC fp32 intermediate activations of pair p's vector v. COHERENT: written by this grid, so
-// a plain weak ld.global (never the read-only .nc path); the gpu-scope acquire that precedes it
-// makes the released values visible, and the lines may still be shared in L1 across warps.
-// SMEM: mid is a copy in shared memory (the one-token bulk down).
-template <bool COHERENT, bool SMEM = false>
+// The W_VEC fp32 intermediate activations of pair p's vector v (written by an earlier grid, so
+// the read-only path). SMEM: mid is a copy in shared memory (the one-token bulk down).
+template <bool SMEM = false>
 __device__ __forceinline__ void load_mid(const float* __restrict__ mid, int p, int v, float (&a)[W_VEC]) {
     const float4* q = reinterpret_cast<const float4*>(mid + (long)p * MID_ROW) + (v >> 5) * (W_VEC / 4) * 32 + (v & 31);
 #pragma unroll
     for (int k = 0; k < W_VEC / 4; ++k) {
-        const float4 f = SMEM ? q[32 * k] : COHERENT ? ld_weak(q + 32 * k) : __ldg(q + 32 * k);
+        const float4 f = SMEM ? q[32 * k] : __ldg(q + 32 * k);
         a[4 * k] = f.x;
         a[4 * k + 1] = f.y;
         a[4 * k + 2] = f.z;
@@ -451,13 +449,10 @@ __device__ __forceinline__ bool load_first_unit(const int* __restrict__ topk_ids
 // A warp walks a flat sequence of units (item = (expert, neuron), pass over MT tokens, chunk of
 // the row) and always has the next unit's weight loads in flight while it does the current math.
 // cur: the warp's first unit, already loaded when `loaded`.
-// FUSED: each finished pass is counted in done[u] (shared memory); the block publishes the
-// counts once, after its whole phase, so no warp fences per item.
-template <int MT, bool FUSED>
+template <int MT>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const XStage& xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                              float* __restrict__ mid, int* __restrict__ done, GuUnit<MT>& cur,
-                                              bool loaded) {
+                                              float* __restrict__ mid, GuUnit<MT>& cur, bool loaded) {
     using S = GuShape<MT>;
     const int lane = threadIdx.x & 31;
     const int sub = lane % S::LANES;  // lane within the item's row
@@ -524,7 +519,6 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
                     if (sub == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
                 }
             }
-            if (FUSED && sub == 0) atomicAdd(done + item / INTER, 1);
             if (!more) break;
             setup(nitem, nbase);
         }
@@ -545,27 +539,24 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
 // fetched from DRAM once and then hit in L2. The next unit's weights are in flight during the
 // current unit's math.
 // sid/swt: the step's expert ids (-1 where out of range) and routing weights, in shared memory.
-// FUSED: mid is produced by this same grid; before an item's math, wait on ready[u] for each of
-// the token's experts, and read mid through L2 (other SMs wrote it).
-constexpr int DN_ROWS = {{ dn_rows }};  // rows per item of moe_down and the fused kernels
+constexpr int DN_ROWS = {{ dn_rows }};  // rows per item of moe_down
 constexpr int DN_FLAT = TOP_K * NV_I;        // vectors per item and row
 constexpr int DN_VPL = (DN_FLAT + 31) / 32;  // ... per lane
 // Vectors per lane of a warp's first item that go to shared memory (cp.async) before the wait, on
 // top of the DN_CHUNK in registers: the wait on gate_up then finds them landed. Only
 // moe_down_stash (M = 1) has the stash, for one row per item; at M >= 2 it measured slower.
 constexpr int DN_STASH_VECS = DN_VPL - DN_CHUNK < {{ dn_stash }} ? DN_VPL - DN_CHUNK : {{ dn_stash }};
-template <int MT, bool FUSED, int ROWS, int DN_STASH = 0>
-__device__ __forceinline__ void down_phase(const int* sid, const float* swt, const Routing* r,
-                                           const float* __restrict__ mid, const uint4* __restrict__ w2,
-                                           const void* __restrict__ w2_scales, act_t* __restrict__ y, int m,
-                                           const int* __restrict__ ready) {
+template <int ROWS, int DN_STASH = 0>
+__device__ __forceinline__ void down_phase(const int* sid, const float* swt, const float* __restrict__ mid,
+                                           const uint4* __restrict__ w2, const void* __restrict__ w2_scales,
+                                           act_t* __restrict__ y, int m) {
     static_assert(HIDDEN % ROWS == 0 && (DN_STASH == 0 || ROWS == 1), "the stash holds one row per item");
     const int lane = threadIdx.x & 31;
     const int items = HIDDEN / ROWS * m;  // 32-bit: the host bounds it
     const int stride = gridDim.x * WARPS;
     int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (item >= items) {
-        if (!FUSED) pdl_wait();
+        pdl_wait();
         return;
     }
 
@@ -593,26 +584,6 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
             }
         }
     };
-    auto wait_ready = [&](int it) {
-        if constexpr (FUSED) {
-            // Every pass of gate_up over this token's experts must have landed.
-            const int t = it % m;
-            if (lane < TOP_K) {
-                const int e = sid[t * TOP_K + lane];
-                if (e >= 0) {
-                    const int u = r->map[e];
-                    const int need = INTER * ((r->ucnt[u] + MT - 1) / MT);
-                    unsigned ns = 32;
-                    while (ld_acquire(ready + u) < need) {
-                        __nanosleep(ns);
-                        ns = ns < 1024 ? 2 * ns : ns;
-                    }
-                }
-            }
-            __syncwarp();  // orders the other lanes' reads of mid after the acquires
-        }
-    };
-
     uint4 wv[DN_CHUNK][ROWS];
     WScale wsc[DN_CHUNK][ROWS];
     float rsc[DN_CHUNK][ROWS];
@@ -644,8 +615,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
         }
         cp_async_commit();
     }
-    if (!FUSED) pdl_wait();  // mid is gate_up's output
-    wait_ready(item);
+    pdl_wait();  // mid is gate_up's output
     int c0 = 0;
     float acc[ROWS];
 #pragma unroll
@@ -663,7 +633,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
             if (f < DN_FLAT && sid[p] >= 0) {
                 float w[W_VEC], a[W_VEC];
                 dequant_vec(mine[i][lane], ssc[i], w);
-                load_mid<FUSED>(mid, p, v, a);
+                load_mid(mid, p, v, a);
                 acc[0] = fmaf(swt[p] * srs[i], dot(w, a, ssc[i]), acc[0]);
             }
         }
@@ -692,7 +662,7 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                 const int p = t * TOP_K + s;
                 if (sid[p] >= 0) {
                     float a[W_VEC];
-                    load_mid<FUSED>(mid, p, v, a);
+                    load_mid(mid, p, v, a);
 #pragma unroll
                     for (int q = 0; q < ROWS; ++q) {
                         float w[W_VEC];
@@ -710,7 +680,6 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
                 acc[q] = 0.0f;
             }
             if (!more) break;
-            wait_ready(nitem);
         }
         item = nitem;
         c0 = nc0;
@@ -737,13 +706,9 @@ __device__ __forceinline__ void stage_pairs(const int* __restrict__ topk_ids, co
     __syncthreads();
 }
 
-// Entry points. gate_up and fused come in one version per token tile (tokens served per pass over
-// a w13 row); the host picks the smallest tile that covers the step. down has no token tile.
-// split: gate_up, then down launched as a programmatic dependent of it.
-// fused: one persistent kernel, gate_up phase then down phase; its grid must be co-resident
-// (the host sizes it from the occupancy), since down waits on counters other blocks bump.
-// ready[0..EXPERTS) counts finished gate_up passes per unique expert, ready[EXPERTS] finished
-// blocks; the last block clears them for the next step.
+// Entry points. gate_up comes in one version per token tile (tokens served per pass over a w13
+// row); the host picks the smallest tile that covers the step. down has no token tile and is
+// launched as a programmatic dependent of gate_up.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
@@ -758,7 +723,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
     // our completion before it reads anything: let it launch once all our blocks have started, so
     // that its blocks take the SM slots ours free instead of launching after our last one.
     pdl_launch_dependents();
-    down_phase<1, false, DN_ROWS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+    down_phase<DN_ROWS>(sid, swt, mid, w2, w2_scales, y, m);
 }
 #endif  // entry moe_down
 // As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
@@ -774,7 +739,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
     float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
     pdl_launch_dependents();  // as in moe_down
-    down_phase<1, false, 1, DN_STASH_VECS>(sid, swt, nullptr, mid, w2, w2_scales, y, m, nullptr);
+    down_phase<1, DN_STASH_VECS>(sid, swt, mid, w2, w2_scales, y, m);
 }
 #endif  // entry moe_down_stash
 {%- for mt in token_tiles %}
@@ -790,46 +755,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
     const bool loaded = load_first_unit(topk_ids, m, w13, w13_scales, first);
     XStage xs;
     const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
-    gate_up_phase<{{ mt }}, false>(r, x, xs, w13, w13_scales, mid, nullptr, first, loaded);
+    gate_up_phase<{{ mt }}>(r, x, xs, w13, w13_scales, mid, first, loaded);
 }
 #endif  // entry moe_gate_up_t{{ mt }}
-#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_fused_t{{ mt }})
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_fused_t{{ mt }}(
-    const act_t* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w13, const void* __restrict__ w13_scales, const uint4* __restrict__ w2,
-    const void* __restrict__ w2_scales, float* __restrict__ mid, act_t* __restrict__ y, int m,
-    int* __restrict__ err, int* __restrict__ ready) {
-    extern __shared__ int smem[];
-    dequant_setup();
-    pdl_wait();
-    XStage xs;
-    const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
-    int* done = routing_scratch(smem, m * TOP_K, EXPERTS, 0);
-    int* sid = routing_scratch(smem, m * TOP_K, EXPERTS, 2);
-    float* swt = reinterpret_cast<float*>(sid + m * TOP_K);
-    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) done[u] = 0;
-    stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
-    GuUnit<{{ mt }}> first;
-    gate_up_phase<{{ mt }}, true>(r, x, xs, w13, w13_scales, mid, done, first, false);
-    // Publish this block's finished passes: one fence for the whole phase.
-    __threadfence();
-    __syncthreads();
-    for (int u = threadIdx.x; u < r.num_unique; u += blockDim.x) {
-        if (done[u]) red_release_add(ready + u, done[u]);
-    }
-    down_phase<{{ mt }}, true, DN_ROWS>(sid, swt, &r, mid, w2, w2_scales, y, m, ready);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(ready + EXPERTS, 1) == (int)gridDim.x - 1) {
-            for (int u = 0; u <= EXPERTS; ++u) ready[u] = 0;
-            __threadfence();
-        }
-    }
-    // Launched last so a dependent can never take the SM slots this grid still waits for.
-    pdl_launch_dependents();
-}
-#endif  // entry moe_fused_t{{ mt }}
 {%- endfor %}
 {% include "decode_bulk.cuh" %}
 

@@ -194,7 +194,8 @@ impl MoeLayer {
                 got: tile.to_string(),
             });
         }
-        self.decode.set_max_token_tile(tile)
+        self.decode.set_max_token_tile(tile);
+        Ok(())
     }
 
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph

@@ -15,16 +15,13 @@ use moe_codegen::{
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-/// Token-tile cap used unless `set_max_token_tile` says otherwise. On the H100 (Qwen3-30B-A3B,
-/// benches/results/h100-decode.json) a cap of 4 ran M = 8 in 218 us against 371 us with 8: the
-/// 8-token kernels need about 150 registers and halve the resident warps; with 128 experts and
-/// top-8 an expert rarely serves more than 4 tokens of a decode step anyway.
-pub const DEFAULT_MAX_TOKEN_TILE: u32 = 4;
+/// Token-tile cap used unless `set_max_token_tile` says otherwise: the largest tile rendered
+/// (`TOKEN_TILES`; why no larger one: `moe_codegen::heuristics`).
+pub const DEFAULT_MAX_TOKEN_TILE: u32 = TOKEN_TILES[TOKEN_TILES.len() - 1];
 
 struct TileFns {
     tile: u32,
-    /// Loaded for tiles up to the cap.
-    gate_up: Option<CudaFunction>,
+    gate_up: CudaFunction,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
 }
@@ -45,7 +42,6 @@ struct DownFn {
 /// The family's compiled functions, its launch geometry and its scratch.
 pub(crate) struct DecodeFamily {
     sms: u32,
-    max_smem: u32,
     /// Shared memory the kernels declare statically (the dequant table of `lut`).
     static_smem: u32,
     warps: u32,
@@ -68,12 +64,6 @@ pub(crate) struct DecodeFamily {
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
-    /// What loads the kernels asked for later.
-    device: Device,
-    src: KernelSource,
-    spec: MoeSpec,
-    /// Dynamic shared memory the occupancy of gate_up is sized at.
-    sizing_smem: u32,
 }
 
 impl DecodeFamily {
@@ -108,9 +98,8 @@ impl DecodeFamily {
         let stash_f = next();
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
-            let gate_up = (t <= DEFAULT_MAX_TOKEN_TILE).then(&mut next);
-            let blocks = gate_up.as_ref().map_or(Ok(1), &occ)?;
-            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: blocks, gate_up });
+            let gate_up = next();
+            tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up });
         }
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
@@ -126,7 +115,7 @@ impl DecodeFamily {
         let bulk_down = bulk_fn(bulk_dn, dn_smem, dt.bulk_dn_warps)?;
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
-        for f in tiles.iter().filter_map(|t| t.gate_up.as_ref()).chain([&down.f, &down_stash.f]) {
+        for f in tiles.iter().map(|t| &t.gate_up).chain([&down.f, &down_stash.f]) {
             static_smem =
                 static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
         }
@@ -137,7 +126,6 @@ impl DecodeFamily {
         }
         Ok(DecodeFamily {
             sms: device.sm_count(),
-            max_smem: device.max_smem_optin(),
             static_smem: static_smem as u32,
             warps,
             down_rows: dt.dn_rows as usize,
@@ -151,19 +139,14 @@ impl DecodeFamily {
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
             chunk,
-            device: device.clone(),
-            src: src.clone(),
-            spec: *spec,
-            sizing_smem,
         })
     }
 
-    /// The kernels [`DecodeFamily::load`] loads at once (each its own module): routing-id
-    /// narrowing, down, down with the stash, gate_up up to the default token-tile cap and the
-    /// bulk pair where it fits. Larger tiles load when asked for.
+    /// The kernels [`DecodeFamily::load`] loads (each its own module): routing-id narrowing,
+    /// down, down with the stash, gate_up for every token tile and the bulk pair where it fits.
     pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
         let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
-        names.extend(TOKEN_TILES.iter().filter(|&&t| t <= DEFAULT_MAX_TOKEN_TILE).map(|t| format!("moe_gate_up_t{t}")));
+        names.extend(TOKEN_TILES.iter().map(|t| format!("moe_gate_up_t{t}")));
         if let Some(dt) = src.decode_tiles {
             let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
             names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| "moe_gate_up_bulk".to_string()));
@@ -172,38 +155,9 @@ impl DecodeFamily {
         names
     }
 
-    /// Load what steps need with token tiles up to `max_tile`, compiling the missing kernels in
-    /// parallel.
-    fn ensure(&mut self, max_tile: u32) -> Result<()> {
-        let names: Vec<String> = self
-            .tiles
-            .iter()
-            .filter(|t| t.tile <= max_tile && t.gate_up.is_none())
-            .map(|t| format!("moe_gate_up_t{}", t.tile))
-            .collect();
-        if names.is_empty() {
-            return Ok(());
-        }
-        let fns = self.device.functions(&self.src, &names.iter().map(String::as_str).collect::<Vec<_>>())?;
-        for (name, f) in names.iter().zip(fns) {
-            let static_smem = f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)? as u32;
-            self.static_smem = self.static_smem.max(static_smem);
-            let tile: u32 = name.rsplit('t').next().and_then(|t| t.parse().ok()).expect("names end in t<tile>");
-            let slot = self.tiles.iter_mut().find(|t| t.tile == tile).expect("a token tile");
-            slot.gate_up_blocks_per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(self.warps * 32, self.sizing_smem as usize, None)?
-                .max(1);
-            slot.gate_up = Some(f);
-        }
-        self.chunk = max_chunk(&self.spec, self.static_smem, self.max_smem);
-        Ok(())
-    }
-
-    /// The largest token tile a step may pick (its kernels load now).
-    pub fn set_max_token_tile(&mut self, tile: u32) -> Result<()> {
-        self.ensure(tile)?;
+    /// The largest token tile a step may pick.
+    pub fn set_max_token_tile(&mut self, tile: u32) {
         self.max_token_tile = tile;
-        Ok(())
     }
 
     /// Whether one-token steps take the bulk gate_up and the bulk down.
@@ -274,7 +228,7 @@ impl DecodeFamily {
         let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile has a slot");
-        let gate_up = fns.gate_up.as_ref().expect("gate_up is loaded for every tile up to the cap");
+        let gate_up = &fns.gate_up;
         for f in [gate_up, &self.down.f, &self.down_stash.f] {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
