@@ -30,6 +30,6 @@ cp "$(bin caller_owned build --release --example caller_owned | tail -1)" gpu-bu
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
 cp "$(bin qwen3_decode build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
-cargo build --release -q -p moe-runtime --bin moe-jit && cp target/release/moe-jit gpu-bundle/
+cargo build --release -q -p moe-jit && cp target/release/moe-jit gpu-bundle/
 strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh
 du -sh gpu-bundle

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks that every crate of the workspace packages for crates.io: moe-codegen, moe-runtime,
-# moe-dsl and the moeforge facade (publish order: that one, each depending only on those before).
+# moe-dsl, the moeforge facade and the moe-jit CLI (publish order: that one, each depending only
+# on those before).
 #
 # `cargo package --workspace` packages them all and verifies each one by building it alone from
 # its .crate. The crates depend on each other at version 0.1.0, which crates.io does not hold

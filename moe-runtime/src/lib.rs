@@ -5,6 +5,9 @@
 //! KernelSource --jit--> CUBIN (disk cache, blake3-keyed) --Device::load--> CudaModule (memory)
 //!              MoeLayer::load(device, spec, weights) -> forward(x, topk_ids, topk_weights, y)
 //! ```
+//!
+//! The feature `testing` adds the helpers tests and benches use: `reference` (the f64 CPU
+//! layer), `testing` (random weights and steps) and `timing` (CUDA-event timing).
 
 pub mod cache;
 pub mod device;
@@ -14,8 +17,13 @@ pub mod families;
 pub mod jit;
 mod launch;
 pub mod layer;
+// Helpers for tests, benches and examples, not for the library: the CPU reference, random
+// weights and steps, timing on the device (feature `testing`, which brings in rand).
+#[cfg(feature = "testing")]
 pub mod reference;
+#[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "testing")]
 pub mod timing;
 mod tma;
 pub mod toolkit;

@@ -1,9 +1,14 @@
 //! The moe-jit command line: `check --tiles` compiles the grouped family with the tiles given
 //! (NVRTC, no GPU), and a malformed tile list is refused before anything is compiled; `check`
 //! takes a spec of the user's own, refuses an invalid or incomplete one and an empty selection;
-//! `cache` finds, reports and prunes corrupt entries, and exits non-zero while any is left.
+//! `cache` finds, reports and prunes corrupt entries, and exits non-zero while any is left;
+//! `warm` fills the cache with exactly the modules a layer loads, then finds them all there, and
+//! refuses an invalid spec.
 
+use moe_codegen::{family_supports, render, Arch, KernelFamily, MoeSpec};
 use moe_runtime::cache::DiskCache;
+use moe_runtime::{cache_key, toolkit::toolkit, CompileOptions};
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -203,4 +208,109 @@ fn check_rebuilds_a_corrupt_entry_and_says_so() {
     assert!(stderr.contains("is corrupt (truncated") && stderr.contains(&path.display().to_string()), "{stderr}");
     assert!(stdout.contains("REBUILT") && stdout.contains("1 corrupt cache entries rebuilt"), "{stdout}");
     assert!(DiskCache::new(dir.path()).list().unwrap()[0].valid);
+}
+
+const SMALL: [&str; 10] =
+    ["--hidden", "256", "--intermediate", "128", "--experts", "8", "--top-k", "2", "--format", "bf16"];
+
+/// The closing line's counts: (modules, from the cache, compiled by NVRTC, failed).
+fn warm_counts(stdout: &str) -> (usize, usize, usize, usize) {
+    let line = stdout.lines().find(|l| l.contains(" modules of ")).unwrap_or_else(|| panic!("no summary: {stdout}"));
+    let n = |after: &str| -> usize {
+        let at = line.find(after).unwrap_or_else(|| panic!("no `{after}` in: {line}"));
+        line[..at].rsplit([' ', '(']).next().unwrap().parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    (n(" modules of "), n(" from the cache"), n(" compiled by NVRTC"), n(" failed"))
+}
+
+/// The cache keys of every module a layer of `spec` loads on `arch`: each entry point of each
+/// family the spec supports, as its own module (as `Device::compile_entries` builds them).
+fn layer_keys(spec: &MoeSpec, arch: Arch) -> BTreeSet<String> {
+    let opts = CompileOptions::for_arch(toolkit().expect("NVRTC"), arch);
+    KernelFamily::ALL
+        .into_iter()
+        .filter(|&f| family_supports(f, spec))
+        .flat_map(|f| {
+            let src = render(spec, f, arch).unwrap();
+            src.entry_points.iter().map(|e| cache_key(&src, &opts.for_entry(e))).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn warm_compiles_what_a_layer_loads_then_finds_it_all_in_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = moe_jit(&[&["--cache-dir", d, "warm", "--arch", "sm_90a"][..], &SMALL].concat());
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (n, hits, compiled, failed) = warm_counts(&stdout);
+    assert_eq!((hits, compiled, failed), (0, n, 0), "{stdout}");
+    // Exactly the layer's modules: both families (bf16), every entry point, the layer's keys.
+    let spec = MoeSpec::builder(256, 128, 8, 2).build().unwrap();
+    let want = layer_keys(&spec, Arch::Sm90a);
+    assert!(family_supports(KernelFamily::GroupedGemm, &spec));
+    assert!(
+        stdout.contains("warp_decode_h256_i128_e8_k2_") && stdout.contains("grouped_gemm_h256_i128_e8_k2_"),
+        "{stdout}"
+    );
+    let got: BTreeSet<String> = DiskCache::new(dir.path()).list().unwrap().into_iter().map(|e| e.key).collect();
+    assert_eq!(got, want);
+    assert_eq!(n, want.len());
+
+    let out = moe_jit(&["--cache-dir", d, "cache", "stats"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!(": {n} entries, ")) && stdout.contains(" 0 corrupt"), "{stdout}");
+
+    // Again: nothing left to compile.
+    let out = moe_jit(&[&["--cache-dir", d, "warm", "--arch", "sm_90a"][..], &SMALL].concat());
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(warm_counts(&stdout), (n, n, 0, 0), "{stdout}");
+
+    // The same spec twice from a JSON file (the format as a list once): each module once, all hits.
+    let file = dir.path().join("specs.json");
+    std::fs::write(
+        &file,
+        r#"[{"hidden": 256, "intermediate": 128, "experts": 8, "top_k": 2},
+            {"hidden": 256, "intermediate": 128, "experts": 8, "top_k": 2, "format": ["bf16"], "activation": "silu"}]"#,
+    )
+    .unwrap();
+    let out = moe_jit(&["--cache-dir", d, "warm", "--arch", "sm_90a", "--specs", file.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(warm_counts(&stdout), (n, n, 0, 0), "{stdout}");
+    assert!(stdout.contains("of 2 specs x 1 archs"), "{stdout}");
+    assert_eq!(DiskCache::new(dir.path()).list().unwrap().len(), n);
+}
+
+#[test]
+fn warm_refuses_an_invalid_spec() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let bad_file = dir.path().join("bad.json");
+    std::fs::write(&bad_file, r#"[{"hidden": 256, "intermediate": 128, "experts": 8, "top_k": 16}]"#).unwrap();
+    let typo_file = dir.path().join("typo.json");
+    std::fs::write(&typo_file, r#"[{"hidden": 256, "intermediate": 128, "experts": 8, "topk": 2}]"#).unwrap();
+    let cases: [(Vec<&str>, &str); 5] = [
+        (
+            vec!["--hidden", "256", "--intermediate", "128", "--experts", "8", "--top-k", "16"],
+            "top_k = 16 exceeds experts = 8",
+        ),
+        (vec!["--hidden", "256", "--intermediate", "128"], "--experts, --top-k missing"),
+        (
+            vec!["--hidden", "256", "--intermediate", "128", "--experts", "8", "--top-k", "2", "--format", "int5"],
+            "unknown weight format `int5`",
+        ),
+        (vec!["--specs", bad_file.to_str().unwrap()], "spec 0: invalid spec"),
+        (vec!["--specs", typo_file.to_str().unwrap()], "unknown field `topk`"),
+    ];
+    for (args, want) in cases {
+        let out = moe_jit(&[&["--cache-dir", d, "warm", "--arch", "sm_90a"][..], &args].concat());
+        let (stdout, stderr) = text(&out);
+        assert!(!out.status.success(), "{args:?} accepted: {stdout}");
+        assert!(stderr.contains(want), "{args:?}: expected `{want}` in: {stderr}");
+    }
+    assert!(DiskCache::new(dir.path()).list().unwrap().is_empty(), "an invalid spec compiled something");
 }

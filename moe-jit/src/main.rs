@@ -1,4 +1,5 @@
-//! moe-jit: render and compile moeforge kernels without a GPU, and manage the kernel cache.
+//! moe-jit: render and compile moeforge kernels without a GPU, warm a deployment's kernel cache,
+//! and manage the cache.
 
 use clap::{Parser, Subcommand};
 use moe_codegen::{
@@ -12,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "moe-jit", about = "Render, compile and cache moeforge kernels")]
+#[command(name = "moe-jit", version, about = "Render, compile and cache moeforge kernels")]
 struct Cli {
     /// The kernel cache folder (default: $MOEFORGE_CACHE_DIR, else moeforge/ in the XDG cache dir).
     #[arg(long, global = true)]
@@ -83,6 +84,26 @@ enum Cmd {
         #[arg(long)]
         tiles: Option<String>,
     },
+    /// Compile into the kernel cache everything a layer of each spec loads (every entry point of
+    /// every family the spec supports, each as its own module) for the given archs, in parallel,
+    /// so that a deployment's `MoeLayer::load` only reads the cache. The spec from --hidden,
+    /// --intermediate, --experts and --top-k (one per --format), or the specs in a JSON file
+    /// (--specs). Exits non-zero when a compile fails or a spec is invalid.
+    Warm {
+        /// Archs to compile for (default: the local GPU's if one is found, else all three).
+        #[arg(long, value_delimiter = ',')]
+        arch: Vec<Arch>,
+        #[command(flatten)]
+        spec: SpecFlags,
+        /// A JSON array of specs instead of the flags, each an object with the flags' fields:
+        /// `[{"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "format": "fp8_e4m3"}]`
+        /// (format, act_dtype, activation and dequant optional).
+        #[arg(long, conflicts_with_all = ["hidden", "intermediate", "experts", "top_k", "format", "act_dtype", "activation", "dequant"])]
+        specs: Option<PathBuf>,
+        /// Parallel NVRTC compiles (default: one per core).
+        #[arg(long)]
+        jobs: Option<usize>,
+    },
     /// The on-disk kernel cache (--cache-dir, else $MOEFORGE_CACHE_DIR, else the XDG cache dir).
     /// list, stats and verify exit non-zero when an entry is corrupt.
     Cache {
@@ -116,6 +137,115 @@ struct SpecArgs {
 
 /// Exit status of a command used wrongly (bad flags, an invalid spec, an empty selection).
 const USAGE: u8 = 2;
+
+mod warm;
+
+/// `warm`'s spec: the fields of one spec, as flags (and as the keys of `--specs`' objects).
+#[derive(clap::Args, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SpecFlags {
+    /// The spec's hidden size (with --intermediate, --experts, --top-k: all four, or --specs).
+    #[arg(long)]
+    hidden: Option<u32>,
+    /// The spec's intermediate (expert FFN) size.
+    #[arg(long)]
+    intermediate: Option<u32>,
+    /// The spec's expert count.
+    #[arg(long)]
+    experts: Option<u32>,
+    /// The spec's experts per token.
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Weight formats, one spec each (default: bf16).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    format: Vec<String>,
+    /// Activation dtype (bf16, fp16; default: the format's).
+    #[arg(long)]
+    act_dtype: Option<String>,
+    /// Activation (silu, gelu_tanh; default: silu).
+    #[arg(long)]
+    activation: Option<String>,
+    /// Dequant variant (lut, bits, hardware; default: the format's on each arch).
+    #[arg(long)]
+    dequant: Option<String>,
+}
+
+/// `"format": "bf16"` or `"format": ["bf16", "fp8_e4m3"]`.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match serde::Deserialize::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+impl SpecFlags {
+    /// The specs these fields describe (one per format), each checked by the spec builder.
+    /// `Err`: what is missing, unknown or invalid.
+    fn specs(&self) -> Result<Vec<MoeSpec>, String> {
+        let sizes = [self.hidden, self.intermediate, self.experts, self.top_k];
+        let [Some(h), Some(i), Some(e), Some(k)] = sizes else {
+            const NAMES: [&str; 4] = ["--hidden", "--intermediate", "--experts", "--top-k"];
+            let missing: Vec<&str> = NAMES.iter().zip(sizes).filter(|(_, v)| v.is_none()).map(|(n, _)| *n).collect();
+            return Err(format!("a spec needs all four sizes (or --specs FILE): {} missing", missing.join(", ")));
+        };
+        fn parse<T: std::str::FromStr<Err = SpecError>>(v: &Option<String>) -> Result<Option<T>, String> {
+            v.as_deref().map(str::parse).transpose().map_err(|e: SpecError| e.to_string())
+        }
+        let (act_dtype, activation, dequant) = (
+            parse::<ActDtype>(&self.act_dtype)?,
+            parse::<Activation>(&self.activation)?,
+            parse::<DequantVariant>(&self.dequant)?,
+        );
+        let formats = match self.format.is_empty() {
+            true => vec![WeightFormat::Bf16],
+            false => self
+                .format
+                .iter()
+                .map(|f| f.parse::<WeightFormat>().map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?,
+        };
+        formats
+            .into_iter()
+            .map(|f| {
+                let mut b = MoeSpec::builder(h, i, e, k).weight_format(f);
+                if let Some(a) = activation {
+                    b = b.activation(a);
+                }
+                if let Some(d) = act_dtype {
+                    b = b.act_dtype(d);
+                }
+                if let Some(d) = dequant {
+                    b = b.dequant(d);
+                }
+                b.build().map_err(|err| {
+                    format!("invalid spec (hidden {h}, intermediate {i}, experts {e}, top_k {k}, format {f}): {err}")
+                })
+            })
+            .collect()
+    }
+}
+
+/// The specs of `--specs FILE`: a JSON array of [`SpecFlags`] objects.
+fn specs_from_file(file: &Path) -> Result<Vec<MoeSpec>, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let all: Vec<SpecFlags> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: expected a JSON array of specs ({{\"hidden\": .., \"intermediate\": .., \"experts\": .., \"top_k\": .., \"format\": ..}}): {e}", file.display()))?;
+    if all.is_empty() {
+        return Err(format!("{}: no spec", file.display()));
+    }
+    let mut out = Vec::new();
+    for (n, s) in all.iter().enumerate() {
+        out.extend(s.specs().map_err(|e| format!("{} spec {n}: {e}", file.display()))?);
+    }
+    Ok(out)
+}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
@@ -180,6 +310,21 @@ fn main() -> ExitCode {
             let opts =
                 CheckOptions { jobs: jobs.max(1), resources, dump: dump.as_deref(), tiles: tiles.as_deref(), cache };
             check(&arch, &list, &opts)
+        }
+        Cmd::Warm { arch, spec, specs, jobs } => {
+            let specs = match specs {
+                Some(file) => specs_from_file(&file),
+                None => spec.specs(),
+            };
+            let specs = match specs {
+                Ok(specs) => specs,
+                Err(msg) => {
+                    eprintln!("moe-jit warm: {msg}");
+                    return ExitCode::from(USAGE);
+                }
+            };
+            let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+            warm::warm(&cache, &specs, &arch, jobs.max(1))
         }
         Cmd::Cache { op } => cache_op(&cache, op),
     }
