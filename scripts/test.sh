@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: everything CI checks, on a machine with or without a GPU.
-# Installs what it needs on a fresh machine (pinned NVRTC + CUDA headers into .cuda/).
+# Installs what it needs on a fresh machine (pinned NVRTC + CUDA headers into the user cache,
+# $MOEFORGE_CUDA_DIR else ~/.cache/moeforge/cuda, unless a CUDA toolkit is found).
 #
 # One cargo profile (dev) for every stage, and one kernel cache for every stage: `moe-jit check`
 # compiles the reference set (every variant, all three archs) in parallel into it, and the tests
@@ -75,6 +76,11 @@ stage "moe-jit check: every variant x sm_90a,sm_100a,sm_120a" \
 stage "cargo test --workspace" cargo test --workspace
 # The downstream crate depends on moeforge by path, as a crates.io user would. Its own workspace,
 # built into this target dir: the dependencies it shares with the workspace are built once.
-stage "downstream crate (examples/downstream)" \
-  env CARGO_TARGET_DIR="$PWD/target" cargo run -q --manifest-path examples/downstream/Cargo.toml
+stage "downstream crate (examples/downstream): its tests, then the crate" bash -c \
+  'export CARGO_TARGET_DIR="$PWD/target"; cargo test -q --manifest-path examples/downstream/Cargo.toml &&
+   cargo run -q --manifest-path examples/downstream/Cargo.toml'
+# Every crate packages for crates.io (the .crate files, their contents and sizes). Verifying
+# builds each crate again from its package: set PACKAGE_VERIFY=1 for that.
+stage "cargo package: every crate (scripts/package-check.sh)" \
+  bash scripts/package-check.sh $([ "${PACKAGE_VERIFY:-0}" = 1 ] || echo --no-verify)
 report
