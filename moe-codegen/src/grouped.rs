@@ -408,20 +408,22 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     })
 }
 
-/// The entry points of a grouped module.
+/// The entry points of a grouped module, in this order (the runtime loads them by it): router,
+/// alignment, intermediate quantizer, GEMM1, GEMM2 (atomic and row-store), row combine, convert.
+pub const ENTRY_POINTS: [&str; 8] = [
+    "moe_route",
+    "moe_prepare",
+    "moe_quant_mid",
+    "moe_gemm1",
+    "moe_gemm2_atomic",
+    "moe_gemm2_rows",
+    "moe_combine_rows",
+    "moe_convert",
+];
+
+/// [`ENTRY_POINTS`] as owned strings.
 pub fn entry_points() -> Vec<String> {
-    [
-        "moe_route",
-        "moe_prepare",
-        "moe_quant_mid",
-        "moe_gemm1",
-        "moe_gemm2_atomic",
-        "moe_gemm2_rows",
-        "moe_combine_rows",
-        "moe_convert",
-    ]
-    .map(String::from)
-    .to_vec()
+    ENTRY_POINTS.map(String::from).to_vec()
 }
 
 #[cfg(test)]

@@ -110,19 +110,9 @@ pub(crate) struct GroupedPath {
 
 impl GroupedPath {
     pub fn with_source(device: &Device, spec: &MoeSpec, tiles: GemmTiles, src: &KernelSource) -> Result<GroupedPath> {
-        // Every kernel its own module, compiled in parallel.
-        const NAMES: [&str; 8] = [
-            "moe_route",
-            "moe_prepare",
-            "moe_quant_mid",
-            "moe_gemm1",
-            "moe_gemm2_atomic",
-            "moe_gemm2_rows",
-            "moe_combine_rows",
-            "moe_convert",
-        ];
+        // Every kernel its own module, compiled in parallel; in the order ENTRY_POINTS lists them.
         let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert]: [CudaFunction; 8] =
-            device.functions(src, &NAMES)?.try_into().expect("one function per name");
+            device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
         let fns = Fns { route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert };
         let blocks = |g: &CudaFunction, smem: u32| -> Result<u32> {
             if smem > device.max_smem_optin() {
