@@ -1,6 +1,8 @@
 //! moe-jit: render and compile moeforge kernels without a GPU, warm a deployment's kernel cache,
 //! and manage the cache.
 
+#![warn(missing_docs)]
+
 use clap::{Parser, Subcommand};
 use moe_codegen::{
     family_supports, render, render_grouped, ActDtype, Activation, Arch, CodegenError, DequantVariant, GemmTiles,

@@ -53,6 +53,9 @@ fn layer_sources(spec: &MoeSpec, arch: Arch) -> Result<Option<Vec<KernelSource>>
     Ok(Some(out))
 }
 
+/// Compile into `cache`, on `jobs` threads, every module a layer of each spec loads on each arch
+/// (`arch`, else the local GPU's, else every arch), each module once, and check that each CUBIN
+/// defines its entry point. Failure when a module fails or when nothing is left to compile.
 pub fn warm(cache: &DiskCache, specs: &[MoeSpec], arch: &[Arch], jobs: usize) -> ExitCode {
     let archs = archs(arch);
     let tk = match toolkit() {

@@ -30,7 +30,9 @@ pub fn default_dir() -> PathBuf {
 /// What a lookup found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// A valid entry was on disk.
     Hit,
+    /// No entry: compiled and stored.
     Miss,
     /// The entry failed its check and was rebuilt.
     Rebuilt,
@@ -39,7 +41,9 @@ pub enum Outcome {
 /// How many lookups of one [`DiskCache`] (and its clones) ended each way.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
+    /// Lookups that found a valid entry.
     pub hits: u64,
+    /// Lookups that found no entry and compiled one.
     pub misses: u64,
     /// Corrupt or truncated entries found, removed and compiled again.
     pub rebuilt: u64,
@@ -52,6 +56,7 @@ struct Counters {
     rebuilt: AtomicU64,
 }
 
+/// The on-disk kernel cache in one folder (see the module docs). Clones share their counts.
 #[derive(Debug, Clone)]
 pub struct DiskCache {
     dir: PathBuf,
@@ -61,8 +66,11 @@ pub struct DiskCache {
 /// One entry as `moe-jit cache list` shows it.
 #[derive(Debug, Clone)]
 pub struct Entry {
+    /// The cache key (the file name without `.cubin`).
     pub key: String,
+    /// The file's size.
     pub bytes: u64,
+    /// Whether the entry passes its header and digest check.
     pub valid: bool,
     /// Why the entry fails its check (`None` when valid).
     pub problem: Option<String>,
@@ -77,15 +85,19 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
 static KEY_LOCKS: LazyLock<DashMap<String, Arc<Mutex<()>>>> = LazyLock::new(DashMap::new);
 
 impl DiskCache {
+    /// A cache in `dir`, created on the first write.
     pub fn new(dir: impl Into<PathBuf>) -> DiskCache {
         DiskCache { dir: dir.into(), counters: Arc::default() }
     }
+    /// A cache in [`default_dir`].
     pub fn open_default() -> DiskCache {
         DiskCache::new(default_dir())
     }
+    /// The cache's folder.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+    /// The file that holds (or would hold) the entry for `key`.
     pub fn path_of(&self, key: &str) -> PathBuf {
         self.dir.join(format!("{key}.cubin"))
     }
@@ -170,6 +182,8 @@ impl DiskCache {
         decode(&data).map(Some)
     }
 
+    /// Store `payload` under `key` with its header and digest, through a temporary file renamed
+    /// into place so that readers never see a partial entry.
     pub fn write(&self, key: &str, payload: &[u8]) -> Result<()> {
         std::fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
         let mut tmp = tempfile::NamedTempFile::new_in(&self.dir).map_err(io_err(&self.dir))?;

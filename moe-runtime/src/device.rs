@@ -13,6 +13,8 @@ use std::sync::{Arc, LazyLock};
 
 static MODULES: LazyLock<DashMap<(usize, String), Arc<CudaModule>>> = LazyLock::new(DashMap::new);
 
+/// One GPU opened for moeforge: its context, a stream of its own, its arch and limits, and the
+/// kernel cache its modules are built through. Clones share the context and stream.
 #[derive(Clone)]
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -59,21 +61,28 @@ impl Device {
         self.cache = cache;
         self
     }
+    /// The arch kernels are compiled for on this device.
     pub fn arch(&self) -> Arch {
         self.arch
     }
+    /// The number of streaming multiprocessors, which the kernels size their grids by.
     pub fn sm_count(&self) -> u32 {
         self.sms
     }
+    /// The most shared memory, in bytes, a block may opt in to; it bounds the kernels' tiles.
     pub fn max_smem_optin(&self) -> u32 {
         self.max_smem_optin
     }
+    /// The CUDA context moeforge's buffers and modules live in.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// The device's own stream: layers loaded on the device upload their weights and run
+    /// [`MoeLayer::forward`](crate::MoeLayer::forward) on it.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+    /// The GPU's name as the driver reports it (`unknown` if it cannot).
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown".into())
     }

@@ -14,12 +14,17 @@ use std::ffi::CString;
 /// Everything that changes the binary, and therefore the cache key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompileOptions {
+    /// The arch compiled for.
     pub arch: Arch,
+    /// NVRTC's command-line options.
     pub options: Vec<String>,
+    /// The NVRTC version `(major, minor)`, since another NVRTC may emit another binary.
     pub nvrtc_version: (i32, i32),
 }
 
 impl CompileOptions {
+    /// The options for a whole source on `arch` with the toolkit `tk`: C++17, ptxas's resource
+    /// report, and the toolkit's headers.
     pub fn for_arch(tk: &Toolkit, arch: Arch) -> CompileOptions {
         let options = vec![
             format!("--gpu-architecture={}", arch.name()),
@@ -60,7 +65,9 @@ pub fn cache_key(src: &KernelSource, opts: &CompileOptions) -> String {
 /// A compiled module: the CUBIN and NVRTC's log (ptxas register / spill report included).
 #[derive(Debug, Clone)]
 pub struct Compiled {
+    /// The binary, loadable with the CUDA driver.
     pub cubin: Vec<u8>,
+    /// NVRTC's program log.
     pub log: String,
 }
 

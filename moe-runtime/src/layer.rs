@@ -15,8 +15,11 @@ use std::sync::{Arc, Mutex};
 
 /// Element types the activations `x` / `y` may have.
 pub trait ActElem: DeviceRepr + Copy + Default {
+    /// The activation dtype the kernels are rendered for.
     const DTYPE: ActDtype;
+    /// Convert from `f32`, rounding to nearest.
     fn from_f32(v: f32) -> Self;
+    /// Convert to `f32` (exact).
     fn to_f32(self) -> f32;
 }
 impl ActElem for half::bf16 {
@@ -38,6 +41,8 @@ impl ActElem for half::f16 {
     }
 }
 
+/// A MoE layer loaded on one GPU: its weights on the device, its compiled kernels (warp decode,
+/// and the grouped GEMMs where the spec allows them) and their scratch; `forward` runs a step.
 pub struct MoeLayer {
     spec: MoeSpec,
     stream: Arc<CudaStream>,
@@ -171,9 +176,11 @@ impl MoeLayer {
         self.decode.bulk_one_token()
     }
 
+    /// The spec the layer was loaded with.
     pub fn spec(&self) -> &MoeSpec {
         &self.spec
     }
+    /// The layer's own stream (its device's), which [`MoeLayer::forward`] enqueues on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }

@@ -9,6 +9,8 @@
 //! The feature `testing` adds the helpers tests and benches use: `reference` (the f64 CPU
 //! layer), `testing` (random weights and steps) and `timing` (CUDA-event timing).
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod device;
 pub mod dispatch;

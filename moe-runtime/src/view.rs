@@ -80,7 +80,9 @@ accessors!(DeviceTensorMut);
 /// id outside int32 counted as out of range).
 #[derive(Debug, Clone, Copy)]
 pub enum TopkIds<'a> {
+    /// int32 ids, which the kernels read as they are.
     I32(DeviceTensor<'a, i32>),
+    /// int64 ids, narrowed to int32 on the device before the step.
     I64(DeviceTensor<'a, i64>),
 }
 

@@ -9,11 +9,14 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use moe_codegen::{MoeSpec, QuantError};
 use std::sync::Arc;
 
+/// A layer's expert weights in host memory, quantized into the spec's format, ready to upload.
 #[derive(Debug, Clone)]
 pub struct HostWeights {
+    /// The format's code bytes for the `E` stacked `[2I, H]` matrices (gate rows, then up rows).
     pub w13: Vec<u8>,
     /// The format's scale bytes for the `E` stacked `[2I, H]` matrices of `w13` (empty if none).
     pub w13_scales: Vec<u8>,
+    /// The format's code bytes for the `E` stacked `[H, I]` matrices.
     pub w2: Vec<u8>,
     /// The format's scale bytes for the `E` stacked `[H, I]` matrices of `w2` (empty if none).
     pub w2_scales: Vec<u8>,
@@ -70,9 +73,13 @@ fn check_sizes(spec: &MoeSpec, [w13, w13_scales, w2, w2_scales]: [usize; 4]) -> 
 /// is built from them (no copy). `None` scales: the format has none.
 #[derive(Debug)]
 pub struct DeviceWeights {
+    /// The code bytes of `w13`, as in [`HostWeights::w13`].
     pub w13: CudaSlice<u8>,
+    /// The scale bytes of `w13`, as in [`HostWeights::w13_scales`].
     pub w13_scales: Option<CudaSlice<u8>>,
+    /// The code bytes of `w2`, as in [`HostWeights::w2`].
     pub w2: CudaSlice<u8>,
+    /// The scale bytes of `w2`, as in [`HostWeights::w2_scales`].
     pub w2_scales: Option<CudaSlice<u8>>,
 }
 
@@ -114,7 +121,9 @@ impl DeviceWeights {
 /// Where a layer's weights come from: the host (uploaded) or the device (moved in).
 #[derive(Debug)]
 pub enum Weights<'a> {
+    /// Weights in host memory, copied to the device on load.
     Host(&'a HostWeights),
+    /// Weights already on the device, moved into the layer without a copy.
     Device(Box<DeviceWeights>),
 }
 

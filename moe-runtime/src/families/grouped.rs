@@ -36,9 +36,9 @@ pub struct Alignment {
     /// last tile joins the one before it): (first, tiles, expert, 2 (layout tile - GEMM1 tile) +
     /// whether the expert's last is extended) of each, flattened; empty without them.
     pub tile_span1: Vec<i32>,
-    /// GEMM1's tiles and the hot experts' among them (equal to `num_tiles`, `hot_tiles` without
-    /// extended items).
+    /// GEMM1's tiles (equal to `num_tiles` without extended items).
     pub num_tiles1: i32,
+    /// The hot experts' tiles among GEMM1's (equal to `hot_tiles` without extended items).
     pub hot_tiles1: i32,
 }
 
