@@ -18,6 +18,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Cargo unpacks the local registry's crates under ~/.cargo/registry/src/<its hash>/ and reuses
+# an unpacked NAME-VERSION it finds there, so a verify after the crates changed (same version)
+# would build the stale copies: remove those of a local registry (its directory name starts
+# with '-'), never crates.io's.
+# Its builds of them are reused the same way (a registry crate's build is keyed by name and
+# version): package and verify in a target dir of their own, emptied first.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{moe-codegen,moe-runtime,moe-dsl,moe-jit,moeforge}-[0-9]*
+export CARGO_TARGET_DIR="$PWD/target/package-check"
+rm -rf "$CARGO_TARGET_DIR"
 cargo package --workspace --allow-dirty "$@"
 
 fail=0
