@@ -472,17 +472,35 @@ pub fn grouped_tiles(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Option
     }
 }
 
+/// The names of warp decode's entry points, in one place for the renderer's list and the
+/// runtime's loads (the template defines them; `moe-jit check` checks each CUBIN against the list).
+pub mod decode_entry {
+    /// down: one warp per (hidden output, token), routing weights folded in.
+    pub const DOWN: &str = "moe_down";
+    /// down for steps of one token, its first items stashed in shared memory before the wait.
+    pub const DOWN_STASH: &str = "moe_down_stash";
+    /// The one-token gate_up streaming its rows through a shared-memory ring.
+    pub const GATE_UP_BULK: &str = "moe_gate_up_bulk";
+    /// The one-token down streaming its rows through a shared-memory ring.
+    pub const DOWN_BULK: &str = "moe_down_bulk";
+    /// int64 routing ids narrowed to int32.
+    pub const IDS_FROM_I64: &str = "moe_ids_from_i64";
+    /// gate_up for a token tile (one of `TOKEN_TILES`).
+    pub fn gate_up(tile: u32) -> String {
+        format!("moe_gate_up_t{tile}")
+    }
+}
+
 /// The `extern "C"` entry points a family's rendered module defines: the list [`render`] puts in
 /// [`KernelSource::entry_points`]. `#[moe_kernel]` rebuilds its `KernelSource`s with it.
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
+    use decode_entry::*;
     match family {
-        KernelFamily::WarpDecode => {
-            ["moe_down", "moe_down_stash", "moe_gate_up_bulk", "moe_down_bulk", "moe_ids_from_i64"]
-                .map(String::from)
-                .into_iter()
-                .chain(TOKEN_TILES.iter().map(|mt| format!("moe_gate_up_t{mt}")))
-                .collect()
-        }
+        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64]
+            .map(String::from)
+            .into_iter()
+            .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
+            .collect(),
         KernelFamily::GroupedGemm => grouped::entry_points(),
     }
 }

@@ -145,12 +145,13 @@ impl DecodeFamily {
     /// The kernels [`DecodeFamily::load`] loads (each its own module): routing-id narrowing,
     /// down, down with the stash, gate_up for every token tile and the bulk pair where it fits.
     pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
-        let mut names: Vec<String> = ["moe_ids_from_i64", "moe_down", "moe_down_stash"].map(String::from).into();
-        names.extend(TOKEN_TILES.iter().map(|t| format!("moe_gate_up_t{t}")));
+        use moe_codegen::render::decode_entry::*;
+        let mut names: Vec<String> = [IDS_FROM_I64, DOWN, DOWN_STASH].map(String::from).into();
+        names.extend(TOKEN_TILES.iter().map(|&t| gate_up(t)));
         if let Some(dt) = src.decode_tiles {
             let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
-            names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| "moe_gate_up_bulk".to_string()));
-            names.extend((dt.bulk_dn && dn_smem <= max_smem).then(|| "moe_down_bulk".to_string()));
+            names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| GATE_UP_BULK.to_string()));
+            names.extend((dt.bulk_dn && dn_smem <= max_smem).then(|| DOWN_BULK.to_string()));
         }
         names
     }
