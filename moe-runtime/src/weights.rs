@@ -154,7 +154,7 @@ impl Weights<'_> {
         let empty = || stream.alloc_zeros::<u8>(16);
         Ok(match self {
             Weights::Host(w) => {
-                let up = |v: &[u8]| if v.is_empty() { empty() } else { stream.clone_htod(v) };
+                let up = |v: &[u8]| if v.is_empty() { Ok(empty()?) } else { upload(stream, v) };
                 [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?]
             }
             Weights::Device(w) => {
@@ -162,4 +162,29 @@ impl Weights<'_> {
             }
         })
     }
+}
+
+/// Buffers from this size on are page-locked for their upload.
+const PIN_MIN_BYTES: usize = 64 << 20;
+
+/// A host-to-device copy of `v`. A large buffer is page-locked in place for the copy, so the
+/// DMA reads it directly instead of through the driver's pageable staging (where registration
+/// is refused, the plain copy runs).
+fn upload(stream: &Arc<CudaStream>, v: &[u8]) -> Result<CudaSlice<u8>> {
+    use cudarc::driver::sys;
+    if v.len() < PIN_MIN_BYTES {
+        return Ok(stream.clone_htod(v)?);
+    }
+    let p = v.as_ptr() as *mut std::ffi::c_void;
+    // Read-only: the device only reads it, and the caller's buffer stays immutable.
+    let pinned = unsafe { sys::cuMemHostRegister_v2(p, v.len(), sys::CU_MEMHOSTREGISTER_READ_ONLY) }
+        == sys::CUresult::CUDA_SUCCESS;
+    let out = stream.clone_htod(v);
+    if pinned {
+        // The copy must finish before the pages are released.
+        let synced = stream.synchronize();
+        unsafe { sys::cuMemHostUnregister(p) };
+        synced?;
+    }
+    Ok(out?)
 }
