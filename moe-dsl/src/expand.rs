@@ -99,9 +99,9 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         );
         quote! {
             #[doc = #doc]
-            pub fn load(
+            pub fn load<'w>(
                 device: &::moeforge::runtime::Device,
-                weights: &::moeforge::runtime::HostWeights,
+                weights: impl ::core::convert::Into<::moeforge::runtime::Weights<'w>>,
             ) -> ::core::result::Result<::moeforge::runtime::MoeLayer, ::moeforge::runtime::RuntimeError> {
                 let arch = device.arch();
                 let mut sources = ::std::vec::Vec::new();
