@@ -99,9 +99,9 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         );
         quote! {
             #[doc = #doc]
-            pub fn load<'w>(
+            pub fn load(
                 device: &::moeforge::runtime::Device,
-                weights: impl ::core::convert::Into<::moeforge::runtime::Weights<'w>>,
+                weights: &::moeforge::runtime::HostWeights,
             ) -> ::core::result::Result<::moeforge::runtime::MoeLayer, ::moeforge::runtime::RuntimeError> {
                 let arch = device.arch();
                 let mut sources = ::std::vec::Vec::new();
