@@ -210,13 +210,7 @@ struct WgmmaN {
     regs: u32,
 }
 
-struct RouterCtx {
-    grouped: bool,
-    renormalize: bool,
-    groups: u32,
-    topk_groups: u32,
-    scaling: String,
-}
+use crate::router::RouterCtx;
 
 #[derive(Template)]
 #[template(path = "grouped_gemm.cu", escape = "none")]
@@ -331,18 +325,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     ns.retain(|&n| n > 0);
     ns.sort_unstable();
     ns.dedup();
-    let router = match spec.router() {
-        crate::Router::Softmax { renormalize } => {
-            RouterCtx { grouped: false, renormalize, groups: 0, topk_groups: 0, scaling: "1.0f".into() }
-        }
-        crate::Router::GroupLimited(g) => RouterCtx {
-            grouped: true,
-            renormalize: g.renormalize,
-            groups: g.groups,
-            topk_groups: g.topk_groups,
-            scaling: format!("{:?}f", g.scaling()),
-        },
-    };
+    let router = RouterCtx::new(spec);
     let mma_name = match tiles.mma {
         Mma::Wgmma => "wgmma",
         Mma::MmaSync => "mma",

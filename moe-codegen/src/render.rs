@@ -269,6 +269,7 @@ struct WarpDecodeCu {
     dn_stash_smem: u32,
     /// [`static_smem_bytes`]: the dequant include's static shared memory.
     static_smem: u32,
+    router: crate::router::RouterCtx,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -359,6 +360,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
     }
     let name = module_name(KernelFamily::WarpDecode, spec, variant);
     let t = WarpDecodeCu {
+        router: crate::router::RouterCtx::new(spec),
         spec_id: name.clone(),
         hidden: spec.hidden(),
         intermediate: spec.intermediate(),
@@ -485,6 +487,8 @@ pub mod decode_entry {
     pub const DOWN_BULK: &str = "moe_down_bulk";
     /// int64 routing ids narrowed to int32.
     pub const IDS_FROM_I64: &str = "moe_ids_from_i64";
+    /// The spec's router: logits to routing ids and weights (steps from logits).
+    pub const ROUTE: &str = "moe_route";
     /// gate_up for a token tile (one of `TOKEN_TILES`).
     pub fn gate_up(tile: u32) -> String {
         format!("moe_gate_up_t{tile}")
@@ -496,7 +500,7 @@ pub mod decode_entry {
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     use decode_entry::*;
     match family {
-        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64]
+        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE]
             .map(String::from)
             .into_iter()
             .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
@@ -680,12 +684,13 @@ mod tests {
             assert!(k.source.contains(needle), "missing {needle}");
         }
         for ep in &k.entry_points {
-            let threads = match ep.as_str() {
-                "moe_gate_up_bulk" => "BK_GU_THREADS, 1",
-                "moe_down_bulk" => "BK_DN_THREADS, 1",
-                _ => "WARPS * 32",
+            let (threads, sep) = match ep.as_str() {
+                "moe_gate_up_bulk" => ("BK_GU_THREADS, 1", " "),
+                "moe_down_bulk" => ("BK_DN_THREADS, 1", " "),
+                "moe_route" => ("ROUTE_WARPS * 32", "\n"),
+                _ => ("WARPS * 32", " "),
             };
-            assert!(k.source.contains(&format!("void __launch_bounds__({threads}) {ep}(")), "{ep}");
+            assert!(k.source.contains(&format!("void __launch_bounds__({threads}){sep}{ep}(")), "{ep}");
         }
         assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
     }

@@ -120,3 +120,29 @@ mod tests {
         assert!(Router::default().validate(8, 8).is_ok());
     }
 }
+
+/// The router's constants as `router.cuh` reads them (both families render it).
+pub(crate) struct RouterCtx {
+    pub grouped: bool,
+    pub renormalize: bool,
+    pub groups: u32,
+    pub topk_groups: u32,
+    pub scaling: String,
+}
+
+impl RouterCtx {
+    pub(crate) fn new(spec: &crate::MoeSpec) -> RouterCtx {
+        match spec.router() {
+            Router::Softmax { renormalize } => {
+                RouterCtx { grouped: false, renormalize, groups: 0, topk_groups: 0, scaling: "1.0f".into() }
+            }
+            Router::GroupLimited(g) => RouterCtx {
+                grouped: true,
+                renormalize: g.renormalize,
+                groups: g.groups,
+                topk_groups: g.topk_groups,
+                scaling: format!("{:?}f", g.scaling()),
+            },
+        }
+    }
+}

@@ -760,6 +760,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
 #endif  // entry moe_gate_up_t{{ mt }}
 {%- endfor %}
 {% include "decode_bulk.cuh" %}
+{% include "router.cuh" %}
 
 // Routing ids given as int64 (PyTorch's index type), narrowed to the int32 every kernel reads.
 // An id outside int32 becomes -1, which the kernels count as out of range and skip.

@@ -157,7 +157,7 @@ pub fn resource_report(log: &str) -> Vec<(String, u32, u32, u32)> {
 /// - on Qwen3-30B-A3B the decode family in every dequant variant of every format instead of the
 ///   defaults ([`dequant_variants`]; a spec naming its arch's default dequant renders the same
 ///   source as one naming none, so the defaults are among them);
-/// - one grouped module with the group-limited (DeepSeek-V3) router, which lives in that module.
+/// - the group-limited (DeepSeek-V3) router in one module of each family (both render it).
 pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
@@ -178,6 +178,7 @@ pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
         .and_then(|s| s.with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5))))
         .expect("a valid spec");
     out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::GroupedGemm));
+    out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::WarpDecode));
     out
 }
 

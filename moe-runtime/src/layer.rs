@@ -52,8 +52,11 @@ pub struct MoeLayer {
     w2_scales: CudaSlice<u8>,
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
-    /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]).
+    /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]), or the ids a
+    /// decode-only layer routes from logits into.
     ids32: Mutex<CudaSlice<i32>>,
+    /// The routing weights a decode-only layer routes from logits into.
+    weights32: Mutex<CudaSlice<f32>>,
     validate_routing: bool,
     decode: DecodeFamily,
     /// The prefill family, where the spec's format and geometry allow it (else why not).
@@ -157,6 +160,7 @@ impl MoeLayer {
             w2_scales,
             errors: stream.alloc_zeros::<i32>(1)?,
             ids32: Mutex::new(stream.alloc_zeros::<i32>(1)?),
+            weights32: Mutex::new(stream.alloc_zeros::<f32>(1)?),
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
@@ -216,8 +220,12 @@ impl MoeLayer {
         // family; a decode launch never takes more than the family's chunk.
         let decode_max = if self.grouped.is_ok() { max_tokens.min(self.prefill_threshold) } else { max_tokens };
         self.decode.reserve(&self.stream, &self.spec, decode_max)?;
-        // int64 routing ids are narrowed into this.
-        self.ids_scratch(&self.stream, max_tokens * self.spec.top_k() as usize)?;
+        // int64 routing ids are narrowed into this, and a decode-only layer routes logits into it.
+        let pairs = max_tokens * self.spec.top_k() as usize;
+        self.ids_scratch(&self.stream, pairs)?;
+        if self.grouped.is_err() {
+            self.weights_scratch(&self.stream, pairs)?;
+        }
         Ok(())
     }
 
@@ -386,22 +394,38 @@ impl MoeLayer {
         self.launch_family(stream, family, m, &p)
     }
 
-    /// The int32 copy of int64 routing ids: `n` ids, grown outside graph capture.
+    /// The int32 routing ids (narrowed from int64, or routed here from logits): `n` ids, grown
+    /// outside graph capture.
     fn ids_scratch(&self, stream: &CudaStream, n: usize) -> Result<u64> {
-        let mut ids = self.ids32.lock().unwrap_or_else(|p| p.into_inner());
-        if ids.len() < n {
+        self.grow(&self.ids32, stream, n)
+    }
+
+    /// The routing weights a decode-only layer routes from logits into: `n`, as `ids_scratch`.
+    fn weights_scratch(&self, stream: &CudaStream, n: usize) -> Result<u64> {
+        self.grow(&self.weights32, stream, n)
+    }
+
+    fn grow<E: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &Mutex<CudaSlice<E>>,
+        stream: &CudaStream,
+        n: usize,
+    ) -> Result<u64> {
+        let mut buf = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if buf.len() < n {
             if stream.capture_status()? != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 return Err(RuntimeError::NotReserved { m: n / self.spec.top_k() as usize });
             }
             self.stream.synchronize()?;
-            *ids = self.stream.alloc_zeros::<i32>(n)?;
+            *buf = self.stream.alloc_zeros::<E>(n)?;
             self.stream.synchronize()?;
         }
-        Ok(ptr(&ids, &self.stream))
+        Ok(ptr(&buf, &self.stream))
     }
 
     /// Route on the device, then [`MoeLayer::forward`]: `logits [M, E]` f32 through the spec's
-    /// router (in the grouped module, so the spec must allow that family).
+    /// router (both families' modules hold it; a layer without the grouped family routes into
+    /// scratch that [`MoeLayer::reserve`] sizes).
     pub fn forward_logits<T: ActElem>(
         &self,
         x: &CudaSlice<T>,
@@ -417,11 +441,17 @@ impl MoeLayer {
                 got: format!("{} elements", logits.len()),
             });
         }
-        let g = self.grouped_path()?;
-        g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
         let s = &self.stream;
         let family = self.family_for(m);
         let (logits, bias) = (ptr(logits, s), ptr(&self.router_bias, s));
+        let Ok(g) = &self.grouped else {
+            let pairs = m * self.spec.top_k() as usize;
+            let (ids, weights) = (self.ids_scratch(s, pairs)?, self.weights_scratch(s, pairs)?);
+            self.decode.route(s, m, logits, bias, ids, weights)?;
+            let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
+            return self.launch_family(s, family, m, &p);
+        };
+        g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
         if family == KernelFamily::GroupedGemm {
             // The grouped step routes in its first kernel (moe_prepare).
             let (ids, weights) = g.routing_ptrs(s, m)?;
@@ -436,8 +466,17 @@ impl MoeLayer {
     /// The routing the last [`MoeLayer::forward_logits`] produced, copied back (syncs):
     /// `(topk_ids, topk_weights)`, each `[M, k]`.
     pub fn last_routing(&self, m: usize) -> Result<(Vec<i32>, Vec<f32>)> {
-        let (ids, w) = self.grouped_path()?.last_routing(&self.stream)?;
         let n = m * self.spec.top_k() as usize;
+        let (ids, w) = match &self.grouped {
+            Ok(g) => g.last_routing(&self.stream)?,
+            Err(_) => {
+                let ids = self.stream.clone_dtoh(&*self.ids32.lock().unwrap_or_else(|p| p.into_inner()))?;
+                (ids, self.stream.clone_dtoh(&*self.weights32.lock().unwrap_or_else(|p| p.into_inner()))?)
+            }
+        };
+        if ids.len() < n || w.len() < n {
+            return Err(RuntimeError::NoStepYet);
+        }
         Ok((ids[..n].to_vec(), w[..n].to_vec()))
     }
 

@@ -290,3 +290,71 @@ fn randomized_differential() {
     }
     println!("randomized_differential: {cases} cases passed (seed {seed})");
 }
+
+/// `forward_logits` on layers without the grouped family (the router is in the decode module
+/// too) and with it, directly and captured, at M = 1, 20 and 300, for the softmax and the
+/// group-limited routers: the routing against the CPU router, the output against the reference.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn routing_from_logits_in_every_family() {
+    use moe_codegen::{GroupLimited, Router};
+    use moe_runtime::reference::route;
+    let dev = gpu();
+    let softmax = |f: WeightFormat| MoeSpec::builder(512, 256, 64, 8).weight_format(f).build().unwrap();
+    let limited =
+        |f: WeightFormat| softmax(f).with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5))).unwrap();
+    let specs = [softmax(WeightFormat::Mxfp4), limited(WeightFormat::Int4G128), softmax(WeightFormat::Bf16)];
+    warm(&dev, &specs);
+    for spec in specs {
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        let (h, e, k) = (spec.hidden() as usize, spec.experts() as usize, spec.top_k() as usize);
+        let mut rng = SmallRng::seed_from_u64(seed);
+        for m in [1usize, 20, 300] {
+            layer.reserve(m).unwrap();
+            let s = layer.stream().clone();
+            let x: Vec<f32> =
+                (0..m * h).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
+            let logits: Vec<f32> = (0..m * e).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            let dx = s.clone_htod(&x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
+            let dl = s.clone_htod(&logits).unwrap();
+            let (ids, rw) = route(&spec, &logits, &vec![0.0; e]);
+            let t = m.min(64);
+            let want = moe_forward(&spec, &w, &x[..t * h], &ids[..t * k], &rw[..t * k]);
+            for graph in [false, true] {
+                let mut y = s.clone_htod(&vec![half::bf16::NAN; m * h]).unwrap();
+                if graph {
+                    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                    let r = layer.forward_logits(&dx, &dl, &mut y);
+                    let g = s.end_capture(CUgraphInstantiate_flags(0));
+                    r.unwrap();
+                    g.unwrap().expect("captured a graph").launch().unwrap();
+                } else {
+                    layer.forward_logits(&dx, &dl, &mut y).unwrap();
+                }
+                let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
+                let (gids, gw) = layer.last_routing(m).unwrap();
+                // Per token, the same (id, weight) pairs in any slot order.
+                let pairs = |i: &[i32], w: &[f32], t: usize| {
+                    let mut v: Vec<(i32, f32)> = (t * k..(t + 1) * k).map(|j| (i[j], w[j])).collect();
+                    v.sort_by_key(|p| p.0);
+                    v
+                };
+                let (mut same, mut wdiff) = (0, 0f32);
+                for tok in 0..m {
+                    let (a, b) = (pairs(&gids, &gw, tok), pairs(&ids, &rw, tok));
+                    if a.iter().map(|p| p.0).eq(b.iter().map(|p| p.0)) {
+                        same += k;
+                        wdiff = a.iter().zip(&b).map(|(p, q)| (p.1 - q.1).abs()).fold(wdiff, f32::max);
+                    }
+                }
+                let family = layer.family_for(m);
+                let r = (family, compare(&got[..t * h], &want).0, compare(&got[..t * h], &want).1);
+                assert_close(&spec, &format!("logits m={m} graph={graph} ids {same}/{}", ids.len()), r);
+                assert_eq!(same, ids.len(), "{} m={m}: routing ids differ from the CPU router", spec.id());
+                assert!(wdiff < 1e-5, "{} m={m}: routing weights differ by {wdiff}", spec.id());
+            }
+        }
+    }
+}

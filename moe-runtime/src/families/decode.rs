@@ -61,6 +61,8 @@ pub(crate) struct DecodeFamily {
     max_token_tile: u32,
     /// Narrows int64 routing ids to int32 (`moe_ids_from_i64`).
     ids_from_i64: CudaFunction,
+    /// The spec's router, for steps from logits (`moe_route`).
+    route: CudaFunction,
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
@@ -94,6 +96,7 @@ impl DecodeFamily {
         let mut fns = device.functions(src, &names.iter().map(String::as_str).collect::<Vec<_>>())?.into_iter();
         let mut next = || fns.next().expect("one function per name");
         let ids_from_i64 = next();
+        let route = next();
         let down_f = next();
         let stash_f = next();
         let mut tiles = Vec::new();
@@ -138,6 +141,7 @@ impl DecodeFamily {
             mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(spec, 1))?),
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
+            route,
             chunk,
         })
     }
@@ -146,7 +150,7 @@ impl DecodeFamily {
     /// down, down with the stash, gate_up for every token tile and the bulk pair where it fits.
     pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
         use moe_codegen::render::decode_entry::*;
-        let mut names: Vec<String> = [IDS_FROM_I64, DOWN, DOWN_STASH].map(String::from).into();
+        let mut names: Vec<String> = [IDS_FROM_I64, ROUTE, DOWN, DOWN_STASH].map(String::from).into();
         names.extend(TOKEN_TILES.iter().map(|&t| gate_up(t)));
         if let Some(dt) = src.decode_tiles {
             let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
@@ -176,6 +180,22 @@ impl DecodeFamily {
         let block = self.warps * 32;
         let grid = n.div_ceil(block as usize).clamp(1, 4 * self.sms as usize) as u32;
         unsafe { launch(&self.ids_from_i64, stream, grid, block, 0, false, &mut args) }
+    }
+
+    /// Route `logits [m, E]` (f32, plus the per-expert `bias`) into `ids` / `weights` `[m, k]`, on
+    /// `stream` after the work before it.
+    pub fn route(&self, stream: &CudaStream, m: usize, logits: u64, bias: u64, ids: u64, weights: u64) -> Result<()> {
+        let (mut l, mut b, mut m32, mut i, mut w) = (logits, bias, m as i32, ids, weights);
+        let mut args = [
+            &mut l as *mut u64 as *mut c_void,
+            &mut b as *mut u64 as *mut c_void,
+            &mut m32 as *mut i32 as *mut c_void,
+            &mut i as *mut u64 as *mut c_void,
+            &mut w as *mut u64 as *mut c_void,
+        ];
+        let threads = moe_codegen::grouped::ROUTE_THREADS;
+        let grid = m.div_ceil((threads / 32) as usize) as u32;
+        unsafe { launch(&self.route, stream, grid, threads, 0, false, &mut args) }
     }
 
     /// The most tokens one launch takes.
