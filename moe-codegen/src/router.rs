@@ -105,22 +105,6 @@ impl fmt::Display for Router {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn group_limited_is_validated() {
-        assert!(Router::deepseek_v3().validate(256, 8).is_ok());
-        assert!(Router::GroupLimited(GroupLimited::new(7, 4, true, 1.0)).validate(256, 8).is_err());
-        assert!(Router::GroupLimited(GroupLimited::new(8, 9, true, 1.0)).validate(256, 8).is_err());
-        assert!(Router::GroupLimited(GroupLimited::new(8, 1, true, 1.0)).validate(64, 9).is_err());
-        assert!(Router::GroupLimited(GroupLimited::new(8, 1, true, f32::NAN)).validate(64, 8).is_err());
-        assert!(Router::GroupLimited(GroupLimited::new(64, 1, true, 1.0)).validate(64, 1).is_err());
-        assert!(Router::default().validate(8, 8).is_ok());
-    }
-}
-
 /// The router's constants as `router.cuh` reads them (both families render it).
 pub(crate) struct RouterCtx {
     pub grouped: bool,
@@ -144,5 +128,21 @@ impl RouterCtx {
                 scaling: format!("{:?}f", g.scaling()),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_limited_is_validated() {
+        assert!(Router::deepseek_v3().validate(256, 8).is_ok());
+        assert!(Router::GroupLimited(GroupLimited::new(7, 4, true, 1.0)).validate(256, 8).is_err());
+        assert!(Router::GroupLimited(GroupLimited::new(8, 9, true, 1.0)).validate(256, 8).is_err());
+        assert!(Router::GroupLimited(GroupLimited::new(8, 1, true, 1.0)).validate(64, 9).is_err());
+        assert!(Router::GroupLimited(GroupLimited::new(8, 1, true, f32::NAN)).validate(64, 8).is_err());
+        assert!(Router::GroupLimited(GroupLimited::new(64, 1, true, 1.0)).validate(64, 1).is_err());
+        assert!(Router::default().validate(8, 8).is_ok());
     }
 }
