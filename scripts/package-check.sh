@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks that every crate of the workspace packages for crates.io: moe-codegen, moe-runtime,
-# moe-dsl, the moeforge facade and the moe-jit CLI (publish order: that one, each depending only
-# on those before).
+# moe-checkpoint, moe-dsl, the moeforge facade and the moe-jit CLI (publish order: that one,
+# each depending only on those before).
 #
 # `cargo package --workspace` packages them all and verifies each one by building it alone from
 # its .crate. The crates depend on each other at version 0.1.0, which crates.io does not hold
@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 # with '-'), never crates.io's.
 # Its builds of them are reused the same way (a registry crate's build is keyed by name and
 # version): package and verify in a target dir of their own, emptied first.
-rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{moe-codegen,moe-runtime,moe-dsl,moe-jit,moeforge}-[0-9]*
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{moe-codegen,moe-runtime,moe-checkpoint,moe-dsl,moe-jit,moeforge}-[0-9]*
 export CARGO_TARGET_DIR="$PWD/target/package-check"
 rm -rf "$CARGO_TARGET_DIR"
 cargo package --workspace --allow-dirty "$@"

@@ -6,7 +6,9 @@
 //!   at compile time;
 //! - [`codegen`] (moe-codegen): the spec types ([`MoeSpec`], [`WeightFormat`], [`Arch`], ...) and
 //!   [`render()`], which turns a spec into CUDA C; re-exported here at the top level;
-//! - [`runtime`] (moe-runtime): NVRTC JIT, the kernel cache, weight upload and launch.
+//! - [`runtime`] (moe-runtime): NVRTC JIT, the kernel cache, weight upload and launch;
+//! - [`checkpoint`] (moe-checkpoint): one MoE layer of a Hugging Face safetensors checkpoint,
+//!   mapped into moeforge's layout.
 //!
 //! # Example
 //!
@@ -75,6 +77,7 @@
 // Lets `#[moe_kernel]`'s `::moeforge::...` paths resolve inside this crate too.
 extern crate self as moeforge;
 
+pub use moe_checkpoint as checkpoint;
 pub use moe_codegen as codegen;
 pub use moe_dsl::moe_kernel;
 pub use moe_runtime as runtime;
