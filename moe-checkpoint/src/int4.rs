@@ -61,7 +61,7 @@ pub(crate) fn gptq(
     }
     let offset = if v2 { 0 } else { 1 };
     let zero = |gi: usize, r: usize| ((qz.u32_at(gi * (n / 8) + r / 8) >> (4 * (r % 8))) & 15) + offset;
-    let scales = pack_scales(&qz, n, ng, sym, |gi, r| sc.u16_at(gi * n + r), zero)?;
+    let scales = pack_scales(&qz, n, ng, sym && group.is_none(), sym, |gi, r| sc.u16_at(gi * n + r), zero)?;
     Ok(Proj { data, scales })
 }
 
@@ -85,17 +85,18 @@ pub(crate) fn awq(store: &Store, prefix: &str, n: usize, k: usize, group: Option
             row[kk / 2] |= (nibble(&qw, kk, r) as u8) << shift;
         }
     }
-    let scales = pack_scales(&qz, n, ng, false, |gi, r| sc.u16_at(gi * n + r), |gi, r| nibble(&qz, gi, r))?;
+    let scales = pack_scales(&qz, n, ng, false, false, |gi, r| sc.u16_at(gi * n + r), |gi, r| nibble(&qz, gi, r))?;
     Ok(Proj { data, scales })
 }
 
-/// moeforge's scale bytes for `[n, ng]` groups: symmetric (`Int4G*`: f16 per group, or the
-/// per-row `Int4`'s f32) where every zero point is 8, else `Int4Asym*` records (f16 scale in
-/// bits 0-15, zero point in bits 16-23).
+/// moeforge's scale bytes for `[n, ng]` groups: symmetric (`Int4G*`: f16 per group, or with
+/// `per_row_f32` the per-row `Int4`'s f32), every zero point checked to be 8; else `Int4Asym*`
+/// records (f16 scale in bits 0-15, zero point in bits 16-23).
 fn pack_scales(
     qzeros: &Tensor,
     n: usize,
     ng: usize,
+    per_row_f32: bool,
     sym: bool,
     scale: impl Fn(usize, usize) -> u16,
     zero: impl Fn(usize, usize) -> u32,
@@ -114,7 +115,7 @@ fn pack_scales(
                         ),
                     });
                 }
-                if ng == 1 {
+                if per_row_f32 {
                     // Int4: one f32 per row; the f16 widens exactly.
                     out.extend_from_slice(&half::f16::from_bits(s).to_f32().to_le_bytes());
                 } else {
