@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod model;
+
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use safetensors::tensor::TensorView;
