@@ -110,12 +110,22 @@ pub fn e4m3_value(b: u8) -> f64 {
     sign * if e == 0 { m / 8.0 * 2f64.powi(-6) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) }
 }
 
-/// The nearest e4m3fn code (by search over the finite codes).
+/// The nearest e4m3fn code (a search over the finite codes sorted by value).
 pub fn e4m3_code(v: f64) -> u8 {
-    (0..=255u8)
-        .filter(|&b| b & 0x7f != 0x7f)
-        .min_by(|&a, &b| (e4m3_value(a) - v).abs().total_cmp(&(e4m3_value(b) - v).abs()))
-        .unwrap()
+    static SORTED: std::sync::OnceLock<Vec<(f64, u8)>> = std::sync::OnceLock::new();
+    let t = SORTED.get_or_init(|| {
+        let mut t: Vec<(f64, u8)> = (0..=255u8).filter(|&b| b & 0x7f != 0x7f).map(|b| (e4m3_value(b), b)).collect();
+        t.sort_by(|a, b| a.0.total_cmp(&b.0));
+        t
+    });
+    let i = t.partition_point(|p| p.0 < v);
+    let lo = t[i.saturating_sub(1)];
+    let hi = t[i.min(t.len() - 1)];
+    if (v - lo.0).abs() <= (hi.0 - v).abs() {
+        lo.1
+    } else {
+        hi.1
+    }
 }
 
 /// DeepSeek-V3's block FP8 of `w [n, k]`: e4m3 codes and f32 `weight_scale_inv [n/128, k/128]`
