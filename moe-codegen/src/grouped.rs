@@ -243,6 +243,8 @@ struct GroupedGemmCu {
     wgmma_trans: &'static str,
     wgmma_ns: Vec<WgmmaN>,
     router: RouterCtx,
+    /// The kernels' parameter structs ([`crate::params`]).
+    params: String,
     /// The host's dynamic shared memory per block ([`GemmTiles::gemm1_smem_bytes`],
     /// [`GemmTiles::gemm2_smem_bytes`], [`prepare_smem_bytes`]), checked by the template's
     /// `static_assert`s against the kernels' layouts.
@@ -374,6 +376,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         wgmma_trans: if elem_bytes == 2 { ", 0, 0" } else { "" },
         wgmma_ns: ns.into_iter().map(|n| WgmmaN { n, regs: n / 2 }).collect(),
         router,
+        params: crate::params::grouped_decls(),
         gemm1_smem: tiles.gemm1_smem_bytes(spec),
         gemm2_smem: tiles.gemm2_smem_bytes(),
         prepare_smem: prepare_smem_bytes(spec),

@@ -10,6 +10,7 @@ pub mod format;
 pub mod grouped;
 pub mod heuristics;
 pub mod numerics;
+pub mod params;
 pub mod render;
 pub mod router;
 pub mod spec;

@@ -270,6 +270,8 @@ struct WarpDecodeCu {
     /// [`static_smem_bytes`]: the dequant include's static shared memory.
     static_smem: u32,
     router: crate::router::RouterCtx,
+    /// The kernels' parameter structs ([`crate::params`]).
+    params: String,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -361,6 +363,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
     let name = module_name(KernelFamily::WarpDecode, spec, variant);
     let t = WarpDecodeCu {
         router: crate::router::RouterCtx::new(spec),
+        params: crate::params::decode_decls(),
         spec_id: name.clone(),
         hidden: spec.hidden(),
         intermediate: spec.intermediate(),
@@ -684,13 +687,15 @@ mod tests {
             assert!(k.source.contains(needle), "missing {needle}");
         }
         for ep in &k.entry_points {
-            let (threads, sep) = match ep.as_str() {
-                "moe_gate_up_bulk" => ("BK_GU_THREADS, 1", " "),
-                "moe_down_bulk" => ("BK_DN_THREADS, 1", " "),
-                "moe_route" => ("ROUTE_WARPS * 32", "\n"),
-                _ => ("WARPS * 32", " "),
+            let threads = match ep.as_str() {
+                "moe_gate_up_bulk" => "BK_GU_THREADS, 1",
+                "moe_down_bulk" => "BK_DN_THREADS, 1",
+                "moe_route" => "ROUTE_WARPS * 32",
+                _ => "WARPS * 32",
             };
-            assert!(k.source.contains(&format!("void __launch_bounds__({threads}){sep}{ep}(")), "{ep}");
+            // One parameter: the kernel's struct from moe_codegen::params.
+            let sig = format!("void __launch_bounds__({threads})\n{ep}(const __grid_constant__ ");
+            assert!(k.source.contains(&sig), "{ep}");
         }
         assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
     }

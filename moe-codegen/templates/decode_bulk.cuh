@@ -123,10 +123,9 @@ __device__ __forceinline__ void bk_prefetch_w2(const int* __restrict__ ids, cons
 }
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gate_up_bulk)
-extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1) moe_gate_up_bulk(
-    const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const void* __restrict__ w13_scales, const uint4* __restrict__ w2, float* __restrict__ mid, int m,
-    int* __restrict__ err) {
+extern "C" __global__ void __launch_bounds__(BK_GU_THREADS, 1)
+moe_gate_up_bulk(const __grid_constant__ GateUpBulkParams params) {
+    MOE_UNPACK_GateUpBulkParams(params);
     extern __shared__ __align__(128) char bk_smem[];
     const GuRing ring{ smem_u32(bk_smem) };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -281,9 +280,9 @@ __device__ __forceinline__ void bk_stage_mid(const float* __restrict__ mid, floa
 }
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down_bulk)
-extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1) moe_down_bulk(
-    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+extern "C" __global__ void __launch_bounds__(BK_DN_THREADS, 1)
+moe_down_bulk(const __grid_constant__ DownParams params) {
+    MOE_UNPACK_DownParams(params);
     extern __shared__ __align__(128) char bk_smem[];
     const DnRing ring{ smem_u32(bk_smem) };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

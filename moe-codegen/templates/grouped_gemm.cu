@@ -53,10 +53,14 @@ static_assert(TAIL == 0 || (MOE_WS && CLUSTER == 1), "extended items on the warp
 constexpr int HOST_GEMM1_SMEM = {{ gemm1_smem }};
 constexpr int HOST_GEMM2_SMEM = {{ gemm2_smem }};
 constexpr int HOST_PREPARE_SMEM = {{ prepare_smem }};
-// A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__.
+// A CUtensorMap (cuTensorMapEncodeTiled on the host), passed inside a kernel's __grid_constant__
+// parameter struct and read in place there.
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
 };
+
+// Every kernel's parameter struct (moe_codegen::params: one declaration for Rust and C).
+{{ params }}
 
 // Two adjacent activations, rounded to act_t, in one 4-byte store.
 __device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
@@ -188,8 +192,8 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
 }
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_quant_mid)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_quant_mid(const act_t* __restrict__ mid, const int* __restrict__ num_tiles, const int* __restrict__ sorted_rows,
-              unsigned char* __restrict__ q, float* __restrict__ s) {
+moe_quant_mid(const __grid_constant__ QuantMidParams params) {
+    MOE_UNPACK_QuantMidParams(params);
     pdl_wait();  // a programmatic dependent of GEMM1
     pdl_launch_dependents();
     quant_rows<INTER>(mid, 0, num_tiles, sorted_rows, q, s);
@@ -356,10 +360,8 @@ __device__ __forceinline__ void promote_part(const KScales& k, int p, const floa
 // tile_span1 (GEMM1's own tiles) and num_tiles[2, 3] count them.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm1)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
-          const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
-          const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
-          float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
+moe_gemm1(const __grid_constant__ Gemm1Params params) {
+    MOE_UNPACK_Gemm1Params(params);
     constexpr bool PROMOTE = FP8 && !X_PER_ROW;
     using S = WsShape<BN1, PROMOTE, TAIL>;
     const int lane = threadIdx.x % 32;
@@ -644,10 +646,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 // so one thread holds a neuron's gate and up accumulators.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm1)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
-moe_gemm1(const void* __restrict__ a, const float* __restrict__ a_scales, const int* __restrict__ sorted_rows,
-          const int* __restrict__ tile_expert, const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
-          const void* __restrict__ w13, const float* __restrict__ w13_scales, act_t* __restrict__ mid,
-          float* __restrict__ mid_scales, int* __restrict__ work_counter, const __grid_constant__ TmaMap b_map) {
+moe_gemm1(const __grid_constant__ Gemm1Params params) {
+    MOE_UNPACK_Gemm1Params(params);
     using T = TileShape<BN1>;
     pdl_wait();  // a programmatic dependent of moe_prepare
     pdl_launch_dependents();
@@ -786,17 +786,15 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 #endif
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm2_atomic)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
-moe_gemm2_atomic(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-                 const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
-                 const float* topk_weights, float* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
+moe_gemm2_atomic(const __grid_constant__ Gemm2Params params) {
+    MOE_UNPACK_Gemm2Params(params);
     gemm2<true>(MOE_GEMM2_ARGS);
 }
 #endif  // entry moe_gemm2_atomic
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm2_rows)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
-moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, const int* tile_expert,
-               const int4* tile_span, const int* num_tiles, const void* w2, const float* w2_scales,
-               const float* topk_weights, act_t* out, int* work_counter, const __grid_constant__ TmaMap b_map) {
+moe_gemm2_rows(const __grid_constant__ Gemm2Params params) {
+    MOE_UNPACK_Gemm2Params(params);
     gemm2<false>(MOE_GEMM2_ARGS);
 }
 #endif  // entry moe_gemm2_rows
@@ -806,8 +804,8 @@ moe_gemm2_rows(const void* a, const float* a_scales, const int* sorted_rows, con
 // (16-byte loads).
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_combine_rows)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_pos,
-                 const float* __restrict__ topk_weights, int m, act_t* __restrict__ y) {
+moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
+    MOE_UNPACK_CombineRowsParams(params);
     static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
     pdl_wait();  // a programmatic dependent of GEMM2
     const long n = (long)m * HIDDEN / 8;
@@ -835,7 +833,8 @@ moe_combine_rows(const act_t* __restrict__ rows, const int* __restrict__ pair_po
 // y = y32 in the activation dtype (after the atomic combine).
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_convert)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
-moe_convert(const float* __restrict__ y32, int m, act_t* __restrict__ y) {
+moe_convert(const __grid_constant__ ConvertParams params) {
+    MOE_UNPACK_ConvertParams(params);
     pdl_wait();  // a programmatic dependent of GEMM2
     const long n = (long)m * HIDDEN;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)

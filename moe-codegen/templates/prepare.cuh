@@ -36,12 +36,8 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned target) {
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare)
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_prepare(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
-            float* __restrict__ topk_weights, const act_t* __restrict__ x, unsigned char* __restrict__ xq,
-            float* __restrict__ xs_token, float* __restrict__ xs_row, int* __restrict__ counts,
-            int* __restrict__ errors, unsigned* __restrict__ sync, int* __restrict__ sorted_rows,
-            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int4* __restrict__ tile_span,
-            int4* __restrict__ tile_span1, int* __restrict__ num_tiles) {
+moe_prepare(const __grid_constant__ PrepareParams params) {
+    MOE_UNPACK_PrepareParams(params);
     __shared__ int block_pairs[EXPERTS];  // this block's pairs per expert, then its offset in each
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

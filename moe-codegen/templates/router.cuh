@@ -153,8 +153,8 @@ __device__ __forceinline__ int route_token(const float* __restrict__ logits, con
 // Routing alone (the decode family's steps from logits; the grouped family's run in moe_prepare).
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
-moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int m, int* __restrict__ topk_ids,
-          float* __restrict__ topk_weights) {
+moe_route(const __grid_constant__ RouteParams params) {
+    MOE_UNPACK_RouteParams(params);
     __shared__ float scores[ROUTE_WARPS][EXPERTS];
     const int warp = threadIdx.x / 32;
     const int t = blockIdx.x * ROUTE_WARPS + warp;

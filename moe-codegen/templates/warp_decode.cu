@@ -9,6 +9,8 @@
 {% include "mbarrier.cuh" %}
 
 typedef {{ act_type }} act_t;
+// Every kernel's parameter struct (moe_codegen::params: one declaration for Rust and C).
+{{ params }}
 constexpr int HIDDEN = {{ hidden }};
 constexpr int INTER = {{ intermediate }};
 constexpr int EXPERTS = {{ experts }};
@@ -710,9 +712,9 @@ __device__ __forceinline__ void stage_pairs(const int* __restrict__ topk_ids, co
 // row); the host picks the smallest tile that covers the step. down has no token tile and is
 // launched as a programmatic dependent of gate_up.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down)
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
-    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_down(const __grid_constant__ DownParams params) {
+    MOE_UNPACK_DownParams(params);
     extern __shared__ int smem[];
     dequant_setup();
     // The ids and weights are the step's inputs: staging them overlaps the tail of gate_up.
@@ -730,9 +732,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down(
 // memory before the wait: at M = 1, where each warp holds one item, more of it is in flight during
 // gate_up's tail (H100, Qwen3 fp8: 24.7 -> 21.0 us per layer with 4; 8 measured slower).
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_down_stash)
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
-    const float* __restrict__ mid, const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-    const uint4* __restrict__ w2, const void* __restrict__ w2_scales, act_t* __restrict__ y, int m) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_down_stash(const __grid_constant__ DownParams params) {
+    MOE_UNPACK_DownParams(params);
     extern __shared__ int smem[];
     dequant_setup();
     int* sid = smem;
@@ -744,9 +746,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_down_stash(
 #endif  // entry moe_down_stash
 {%- for mt in token_tiles %}
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gate_up_t{{ mt }})
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
-    const act_t* __restrict__ x, const int* __restrict__ topk_ids, const uint4* __restrict__ w13,
-    const void* __restrict__ w13_scales, float* __restrict__ mid, int m, int* __restrict__ err) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_gate_up_t{{ mt }}(const __grid_constant__ GateUpParams params) {
+    MOE_UNPACK_GateUpParams(params);
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
@@ -765,11 +767,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gate_up_t{{ mt }}(
 // Routing ids given as int64 (PyTorch's index type), narrowed to the int32 every kernel reads.
 // An id outside int32 becomes -1, which the kernels count as out of range and skip.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ids_from_i64)
-extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_ids_from_i64(const long long* __restrict__ in,
-                                                                      int* __restrict__ out, int n) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_ids_from_i64(const __grid_constant__ IdsFromI64Params params) {
+    MOE_UNPACK_IdsFromI64Params(params);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const long long v = in[i];
-        out[i] = (v < -2147483648LL || v > 2147483647LL) ? -1 : (int)v;
+        const long long v = src[i];
+        dst[i] = (v < -2147483648LL || v > 2147483647LL) ? -1 : (int)v;
     }
 }
 #endif  // entry moe_ids_from_i64

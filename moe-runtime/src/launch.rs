@@ -3,34 +3,58 @@
 
 use crate::error::Result;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use moe_codegen::params::KernelParams;
 use std::ffi::c_void;
+use std::marker::PhantomData;
 
-/// Raw launch through `cuLaunchKernelEx`, optionally as a programmatic dependent of the previous
-/// kernel in the stream (it may start before that one finishes and waits in `griddepcontrol.wait`).
-pub(crate) unsafe fn launch(
-    f: &CudaFunction,
-    stream: &CudaStream,
-    grid: u32,
-    block: u32,
-    smem: u32,
-    pdl: bool,
-    params: &mut [*mut c_void],
-) -> Result<()> {
-    launch_with(f, stream, (grid, block, smem), launch_attrs(pdl, 1), params)
+/// A loaded kernel and the one parameter struct its C signature takes
+/// (`moe_codegen::params`): a launch can pass nothing else.
+pub(crate) struct Kernel<P> {
+    f: CudaFunction,
+    params: PhantomData<fn(P)>,
 }
 
-/// `(grid, block, dynamic shared memory)` with these attributes (with clusters: `grid` a
-/// multiple of the cluster's size).
-pub(crate) unsafe fn launch_with(
-    f: &CudaFunction,
-    stream: &CudaStream,
-    (grid, block, smem): (u32, u32, u32),
-    mut attrs: LaunchAttrs,
-    params: &mut [*mut c_void],
-) -> Result<()> {
-    let cfg = launch_config(stream, grid, block, smem, &mut attrs);
-    sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()?;
-    Ok(())
+impl<P: KernelParams> Kernel<P> {
+    /// `f` must be an entry point declared with `const __grid_constant__ P`.
+    pub fn new(f: CudaFunction) -> Kernel<P> {
+        Kernel { f, params: PhantomData }
+    }
+
+    /// Launch `(grid, block, dynamic shared memory)` on `stream`, as a programmatic dependent of
+    /// the kernel before it if `pdl` (it may start before that one finishes and waits in
+    /// `griddepcontrol.wait`).
+    ///
+    /// # Safety
+    /// Every address in `p` must be valid for what the kernel does with it, until it completes.
+    pub unsafe fn launch(&self, stream: &CudaStream, dims: (u32, u32, u32), pdl: bool, p: P) -> Result<()> {
+        self.launch_with(stream, dims, launch_attrs(pdl, 1), p)
+    }
+
+    /// [`Kernel::launch`] with these attributes (with clusters: the grid a multiple of the
+    /// cluster's size).
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    pub unsafe fn launch_with(
+        &self,
+        stream: &CudaStream,
+        (grid, block, smem): (u32, u32, u32),
+        mut attrs: LaunchAttrs,
+        mut p: P,
+    ) -> Result<()> {
+        let cfg = launch_config(stream, grid, block, smem, &mut attrs);
+        // The driver copies the struct's bytes at launch; the kernel's module asserts its layout.
+        let mut args = [&mut p as *mut P as *mut c_void];
+        sys::cuLaunchKernelEx(&cfg, self.f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()?;
+        Ok(())
+    }
+}
+
+impl<P> std::ops::Deref for Kernel<P> {
+    type Target = CudaFunction;
+    fn deref(&self) -> &CudaFunction {
+        &self.f
+    }
 }
 
 /// Clusters of `cluster` blocks of `f` that fit on the device at once.

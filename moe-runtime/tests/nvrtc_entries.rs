@@ -43,3 +43,20 @@ fn each_entry_point_compiles_alone() {
         }
     });
 }
+
+/// The parameter structs' layout asserts bite: a C declaration that drifts from the Rust struct
+/// (a field widened, as a hand edit of one side would do) fails NVRTC, naming the field.
+#[test]
+fn a_parameter_struct_that_drifts_does_not_compile() {
+    use moe_codegen::params::{DownParams, KernelParams};
+    let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
+    let spec = MoeSpec::builder(256, 128, 8, 2).build().unwrap();
+    let mut src = render(&spec, KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
+    let decl = DownParams::c_decl();
+    assert!(src.source.contains(&decl));
+    let opts = CompileOptions::for_arch(tk, src.arch).for_entry("moe_down");
+    compile(&src, &opts).expect("the rendered module compiles");
+    src.source = src.source.replace(&decl, &decl.replace("    int m;\n", "    long long m;\n"));
+    let err = compile(&src, &opts).expect_err("a drifted layout must not compile").to_string();
+    assert!(err.contains("DownParams::m"), "{err}");
+}

@@ -6,13 +6,13 @@
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::families::StepPtrs;
-use crate::launch::{launch, ptr};
+use crate::launch::{ptr, Kernel};
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
+use moe_codegen::params::{DownParams, GateUpBulkParams, GateUpParams, IdsFromI64Params, RouteParams};
 use moe_codegen::{
     bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, routing_smem_bytes, DecodeTiles,
     KernelSource, MoeSpec, TOKEN_TILES,
 };
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 /// Token-tile cap used unless `set_max_token_tile` says otherwise: the largest tile rendered
@@ -21,21 +21,21 @@ pub const DEFAULT_MAX_TOKEN_TILE: u32 = TOKEN_TILES[TOKEN_TILES.len() - 1];
 
 struct TileFns {
     tile: u32,
-    gate_up: CudaFunction,
+    gate_up: Kernel<GateUpParams>,
     /// Resident blocks per SM at the largest routing table we size for.
     gate_up_blocks_per_sm: u32,
 }
 
 /// A one-token kernel that streams weights through shared memory (`decode_bulk.cuh`).
-struct BulkFn {
-    f: CudaFunction,
+struct BulkFn<P> {
+    f: Kernel<P>,
     smem: u32,
     threads: u32,
 }
 
 /// The down kernel (one for every token tile).
 struct DownFn {
-    f: CudaFunction,
+    f: Kernel<DownParams>,
     blocks_per_sm: u32,
 }
 
@@ -54,15 +54,15 @@ pub(crate) struct DecodeFamily {
     /// down with its first items stashed in shared memory, for steps of one token.
     down_stash: DownFn,
     /// The bulk one-token kernels, where the tiles ask for them and their shared memory fits.
-    bulk_gate_up: Option<BulkFn>,
-    bulk_down: Option<BulkFn>,
+    bulk_gate_up: Option<BulkFn<GateUpBulkParams>>,
+    bulk_down: Option<BulkFn<DownParams>>,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
     max_token_tile: u32,
     /// Narrows int64 routing ids to int32 (`moe_ids_from_i64`).
-    ids_from_i64: CudaFunction,
+    ids_from_i64: Kernel<IdsFromI64Params>,
     /// The spec's router, for steps from logits (`moe_route`).
-    route: CudaFunction,
+    route: Kernel<RouteParams>,
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
@@ -95,30 +95,39 @@ impl DecodeFamily {
         let names = DecodeFamily::eager_entries(spec, src, device.max_smem_optin());
         let mut fns = device.functions(src, &names.iter().map(String::as_str).collect::<Vec<_>>())?.into_iter();
         let mut next = || fns.next().expect("one function per name");
-        let ids_from_i64 = next();
-        let route = next();
-        let down_f = next();
-        let stash_f = next();
+        // In eager_entries' order, each with the parameter struct its signature declares.
+        let ids_from_i64 = Kernel::new(next());
+        let route = Kernel::new(next());
+        let down_f = Kernel::new(next());
+        let stash_f = Kernel::new(next());
         let mut tiles = Vec::new();
         for t in TOKEN_TILES {
-            let gate_up = next();
+            let gate_up = Kernel::new(next());
             tiles.push(TileFns { tile: t, gate_up_blocks_per_sm: occ(&gate_up)?, gate_up });
         }
         let down = DownFn { blocks_per_sm: occ(&down_f)?, f: down_f };
         let down_stash = DownFn { blocks_per_sm: occ(&stash_f)?, f: stash_f };
-        let mut bulk_fn = |on: bool, smem: u32, warps: u32| -> Result<Option<BulkFn>> {
+        let mut bulk_fn = |on: bool, smem: u32, warps: u32| -> Result<Option<(CudaFunction, u32, u32)>> {
             if !on {
                 return Ok(None);
             }
             let f = next();
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-            Ok(Some(BulkFn { f, smem, threads: (warps + 1) * 32 }))
+            Ok(Some((f, smem, (warps + 1) * 32)))
         };
-        let bulk_gate_up = bulk_fn(bulk_gu, gu_smem, dt.bulk_gu_warps)?;
-        let bulk_down = bulk_fn(bulk_dn, dn_smem, dt.bulk_dn_warps)?;
+        let bulk_gate_up = bulk_fn(bulk_gu, gu_smem, dt.bulk_gu_warps)?.map(|(f, smem, threads)| BulkFn {
+            f: Kernel::new(f),
+            smem,
+            threads,
+        });
+        let bulk_down = bulk_fn(bulk_dn, dn_smem, dt.bulk_dn_warps)?.map(|(f, smem, threads)| BulkFn {
+            f: Kernel::new(f),
+            smem,
+            threads,
+        });
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
-        for f in tiles.iter().map(|t| &t.gate_up).chain([&down.f, &down_stash.f]) {
+        for f in tiles.iter().map(|t| &*t.gate_up).chain([&*down.f, &*down_stash.f]) {
             static_smem =
                 static_smem.max(f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
         }
@@ -174,28 +183,19 @@ impl DecodeFamily {
     /// after the work before it (a plain launch: the kernels that follow read `out` after their
     /// programmatic wait on it).
     pub fn narrow_ids(&self, stream: &CudaStream, input: u64, out: u64, n: usize) -> Result<()> {
-        let (mut i, mut o, mut n32) = (input, out, n as i32);
-        let mut args =
-            [&mut i as *mut u64 as *mut c_void, &mut o as *mut u64 as *mut c_void, &mut n32 as *mut i32 as *mut c_void];
         let block = self.warps * 32;
         let grid = n.div_ceil(block as usize).clamp(1, 4 * self.sms as usize) as u32;
-        unsafe { launch(&self.ids_from_i64, stream, grid, block, 0, false, &mut args) }
+        let p = IdsFromI64Params { src: input, dst: out, n: n as i32 };
+        unsafe { self.ids_from_i64.launch(stream, (grid, block, 0), false, p) }
     }
 
     /// Route `logits [m, E]` (f32, plus the per-expert `bias`) into `ids` / `weights` `[m, k]`, on
     /// `stream` after the work before it.
     pub fn route(&self, stream: &CudaStream, m: usize, logits: u64, bias: u64, ids: u64, weights: u64) -> Result<()> {
-        let (mut l, mut b, mut m32, mut i, mut w) = (logits, bias, m as i32, ids, weights);
-        let mut args = [
-            &mut l as *mut u64 as *mut c_void,
-            &mut b as *mut u64 as *mut c_void,
-            &mut m32 as *mut i32 as *mut c_void,
-            &mut i as *mut u64 as *mut c_void,
-            &mut w as *mut u64 as *mut c_void,
-        ];
         let threads = moe_codegen::grouped::ROUTE_THREADS;
         let grid = m.div_ceil((threads / 32) as usize) as u32;
-        unsafe { launch(&self.route, stream, grid, threads, 0, false, &mut args) }
+        let p = RouteParams { logits, bias, m: m as i32, topk_ids: ids, topk_weights: weights };
+        unsafe { self.route.launch(stream, (grid, threads, 0), false, p) }
     }
 
     /// The most tokens one launch takes.
@@ -246,11 +246,11 @@ impl DecodeFamily {
     fn launch(&self, s: &CudaStream, spec: &MoeSpec, m: usize, p: &StepPtrs) -> Result<()> {
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
         let smem = decode_smem_bytes(spec, m as u32);
-        let mid = self.mid.lock().unwrap_or_else(|p| p.into_inner());
+        let mid_buf = self.mid.lock().unwrap_or_else(|p| p.into_inner());
         let tile = DecodeTiles::token_tile(m as u32).min(self.max_token_tile);
         let fns = self.tiles.iter().find(|t| t.tile == tile).expect("every token tile has a slot");
         let gate_up = &fns.gate_up;
-        for f in [gate_up, &self.down.f, &self.down_stash.f] {
+        for f in [&**gate_up, &*self.down.f, &*self.down_stash.f] {
             if smem + self.static_smem > 48 * 1024 {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -258,10 +258,8 @@ impl DecodeFamily {
                 )?;
             }
         }
-        let (mut xp, mut idp, mut wp) = (p.x, p.ids, p.weights);
-        let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
-        let (mut midp, mut yp, mut errp) = (ptr(&mid, s), p.y, p.errors);
-        let mut m_i32 = m as i32;
+        let mid = ptr(&mid_buf, s);
+        let m_i32 = m as i32;
         let block = self.warps * 32;
         let pairs = (m * k) as u64;
         let gu_items = pairs.min(spec.experts() as u64) * spec.intermediate() as u64;
@@ -271,55 +269,65 @@ impl DecodeFamily {
         let dn_items = (h / dn_rows) as u64 * m as u64;
         let gu_warp_items = if tile == 1 { gu_items } else { gu_items.div_ceil(self.gate_up_items) };
         let grid = |items: u64, per_sm: u32| items.div_ceil(self.warps as u64).min((self.sms * per_sm) as u64) as u32;
-        let as_arg = |p: &mut u64| p as *mut u64 as *mut c_void;
+        let gu = GateUpParams {
+            x: p.x,
+            topk_ids: p.ids,
+            w13: p.w13,
+            w13_scales: p.w13_scales,
+            mid,
+            m: m_i32,
+            err: p.errors,
+        };
+        let dn = DownParams {
+            mid,
+            topk_ids: p.ids,
+            topk_weights: p.weights,
+            w2: p.w2,
+            w2_scales: p.w2_scales,
+            y: p.y,
+            m: m_i32,
+        };
+        // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
+        // touches memory its predecessor may use, so only launch latency overlaps.
+        // The bulk kernels: one block per SM (a producer warp and the consumers).
+        let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
+        // SAFETY: the step's pointers were checked against the spec by the layer, the
+        // intermediate is sized for this launch (reserve above).
         unsafe {
-            let mut gu = [
-                as_arg(&mut xp),
-                as_arg(&mut idp),
-                as_arg(&mut w13),
-                as_arg(&mut w13s),
-                as_arg(&mut midp),
-                &mut m_i32 as *mut i32 as *mut c_void,
-                as_arg(&mut errp),
-            ];
-            // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
-            // touches memory its predecessor may use, so only launch latency overlaps.
-            // Staged activations can take more shared memory than the load-time sizing assumed.
-            // The bulk kernels: one block per SM (a producer warp and the consumers). The bulk
-            // gate_up also takes w2, which it prefetches into L2 for down.
-            let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
             match (m, &self.bulk_gate_up) {
                 (1, Some(b)) => {
+                    // The bulk gate_up also takes w2, which it prefetches into L2 for down.
                     let tiles = pairs * spec.intermediate() as u64 / (b.threads / 32 - 1) as u64;
-                    let mut w2p = w2;
-                    let mut args = [gu[0], gu[1], gu[2], gu[3], as_arg(&mut w2p), gu[4], gu[5], gu[6]];
-                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut args)?;
+                    let bp = GateUpBulkParams {
+                        x: gu.x,
+                        topk_ids: gu.topk_ids,
+                        w13: gu.w13,
+                        w13_scales: gu.w13_scales,
+                        w2: p.w2,
+                        mid,
+                        m: m_i32,
+                        err: gu.err,
+                    };
+                    b.f.launch(s, (bulk_grid(tiles), b.threads, b.smem), true, bp)?;
                 }
                 _ => {
+                    // Staged activations can take more shared memory than the load-time sizing
+                    // assumed.
                     let per_sm = gate_up.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?;
                     let per_sm = (per_sm as u32).clamp(1, fns.gate_up_blocks_per_sm);
-                    launch(gate_up, s, grid(gu_warp_items, per_sm), block, smem, true, &mut gu)?;
+                    gate_up.launch(s, (grid(gu_warp_items, per_sm), block, smem), true, gu)?;
                 }
             }
-            let mut dn = [
-                as_arg(&mut midp),
-                as_arg(&mut idp),
-                as_arg(&mut wp),
-                as_arg(&mut w2),
-                as_arg(&mut w2s),
-                as_arg(&mut yp),
-                &mut m_i32 as *mut i32 as *mut c_void,
-            ];
             // down needs only the step's ids and weights in dynamic shared memory: the less it
             // asks for, the sooner its blocks fit beside gate_up's last ones.
             match (m, &self.bulk_down) {
                 (1, Some(b)) => {
                     let tiles = h as u64 / (b.threads / 32 - 1) as u64;
-                    launch(&b.f, s, bulk_grid(tiles), b.threads, b.smem, true, &mut dn)?;
+                    b.f.launch(s, (bulk_grid(tiles), b.threads, b.smem), true, dn)?;
                 }
                 _ => {
                     let dn_smem = decode_down_smem_bytes(spec, m as u32);
-                    launch(&down.f, s, grid(dn_items, down.blocks_per_sm), block, dn_smem, true, &mut dn)?;
+                    down.f.launch(s, (grid(dn_items, down.blocks_per_sm), block, dn_smem), true, dn)?;
                 }
             }
         }

@@ -9,12 +9,15 @@
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::families::StepPtrs;
-use crate::launch::{cooperative_attrs, launch, launch_attrs, launch_with, max_active_clusters, ptr};
+use crate::launch::{cooperative_attrs, launch_attrs, max_active_clusters, ptr, Kernel};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
+use moe_codegen::params::{
+    CombineRowsParams, ConvertParams, Gemm1Params, Gemm2Params, KernelParams, PrepareParams, QuantMidParams,
+    RouteParams, TmaDesc,
+};
 use moe_codegen::{GemmTiles, KernelSource, MoeSpec, WeightFormat};
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 /// A step's alignment as the device left it (buffers at their reserved sizes).
@@ -43,14 +46,14 @@ pub struct Alignment {
 }
 
 struct Fns {
-    route: CudaFunction,
-    prepare: CudaFunction,
-    quant_mid: CudaFunction,
-    gemm1: CudaFunction,
-    gemm2_atomic: CudaFunction,
-    gemm2_rows: CudaFunction,
-    combine_rows: CudaFunction,
-    convert: CudaFunction,
+    route: Kernel<RouteParams>,
+    prepare: Kernel<PrepareParams>,
+    quant_mid: Kernel<QuantMidParams>,
+    gemm1: Kernel<Gemm1Params>,
+    gemm2_atomic: Kernel<Gemm2Params>,
+    gemm2_rows: Kernel<Gemm2Params>,
+    combine_rows: Kernel<CombineRowsParams>,
+    convert: Kernel<ConvertParams>,
 }
 
 /// Scratch for steps of up to `tokens` tokens, grown (outside graph capture) on demand.
@@ -113,7 +116,16 @@ impl GroupedPath {
         // Every kernel its own module, compiled in parallel; in the order ENTRY_POINTS lists them.
         let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert]: [CudaFunction; 8] =
             device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
-        let fns = Fns { route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert };
+        let fns = Fns {
+            route: Kernel::new(route),
+            prepare: Kernel::new(prepare),
+            quant_mid: Kernel::new(quant_mid),
+            gemm1: Kernel::new(gemm1),
+            gemm2_atomic: Kernel::new(gemm2_atomic),
+            gemm2_rows: Kernel::new(gemm2_rows),
+            combine_rows: Kernel::new(combine_rows),
+            convert: Kernel::new(convert),
+        };
         let blocks = |g: &CudaFunction, smem: u32| -> Result<u32> {
             if smem > device.max_smem_optin() {
                 return Err(RuntimeError::FamilyUnavailable {
@@ -234,11 +246,10 @@ impl GroupedPath {
     /// Route `logits [m, E]` (f32) on the device into the scratch's ids / weights and return
     /// their pointers (steps of another family; the grouped one routes in moe_prepare).
     pub fn route(&self, stream: &Arc<CudaStream>, m: usize, logits: u64, bias: u64) -> Result<(u64, u64)> {
-        let (mut ids, mut w) = self.routing_ptrs(stream, m)?;
-        let (mut l, mut b, mut m32) = (logits, bias, m as i32);
-        let mut args = [arg(&mut l), arg(&mut b), arg(&mut m32), arg(&mut ids), arg(&mut w)];
+        let (ids, w) = self.routing_ptrs(stream, m)?;
         let grid = m.div_ceil((ROUTE_THREADS / 32) as usize) as u32;
-        unsafe { launch(&self.fns.route, stream, grid, ROUTE_THREADS, 0, false, &mut args)? };
+        let p = RouteParams { logits, bias, m: m as i32, topk_ids: ids, topk_weights: w };
+        unsafe { self.fns.route.launch(stream, (grid, ROUTE_THREADS, 0), false, p)? };
         Ok((ids, w))
     }
 
@@ -256,8 +267,8 @@ impl GroupedPath {
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
         let pairs = m * k;
         let max_tiles = self.tiles.max_tiles(pairs, spec.experts());
-        let mut m32 = m as i32;
-        let (mut sorted, mut pos, mut tile_e, mut span, mut span1, mut ntiles) = (
+        let m32 = m as i32;
+        let (sorted, pos, tile_e, span, span1, ntiles) = (
             ptr(&s.sorted_rows, stream),
             ptr(&s.pair_pos, stream),
             ptr(&s.tile_expert, stream),
@@ -272,49 +283,47 @@ impl GroupedPath {
             let mut y32_view = s.out32.slice_mut(0..m * h * 4);
             stream.memset_zeros(&mut y32_view)?;
         }
-        let (mut logits, mut bias, mut ids, mut weights, mut errors) = (p.logits, p.bias, p.ids, p.weights, p.errors);
-        let mut counts = ptr(&s.work_counters, stream) + 4 * COUNTS_AT as u64;
-        let (mut x, mut xq, mut xs_token, mut xs_row) =
-            (p.x, ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
-        let mut sync = ptr(&s.work_counters, stream) + 8;
+        let counters = ptr(&s.work_counters, stream);
+        let (xq, xs_token, xs_row) = (ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
         let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
         let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
+        let prepare = PrepareParams {
+            logits: p.logits,
+            bias: p.bias,
+            m: m32,
+            topk_ids: p.ids,
+            topk_weights: p.weights,
+            x: p.x,
+            xq,
+            xs_token,
+            xs_row,
+            counts: counters + 4 * COUNTS_AT as u64,
+            errors: p.errors,
+            sync: counters + 8,
+            sorted_rows: sorted,
+            pair_pos: pos,
+            tile_expert: tile_e,
+            tile_span: span,
+            tile_span1: span1,
+            num_tiles: ntiles,
+        };
+        // SAFETY (every launch below): the step's pointers were checked against the spec by the
+        // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
         unsafe {
-            let mut args = [
-                arg(&mut logits),
-                arg(&mut bias),
-                arg(&mut m32),
-                arg(&mut ids),
-                arg(&mut weights),
-                arg(&mut x),
-                arg(&mut xq),
-                arg(&mut xs_token),
-                arg(&mut xs_row),
-                arg(&mut counts),
-                arg(&mut errors),
-                arg(&mut sync),
-                arg(&mut sorted),
-                arg(&mut pos),
-                arg(&mut tile_e),
-                arg(&mut span),
-                arg(&mut span1),
-                arg(&mut ntiles),
-            ];
             let dims = (prepare_grid, ALIGN_THREADS, self.prepare_smem);
-            launch_with(&self.fns.prepare, stream, dims, cooperative_attrs(), &mut args)?;
+            self.fns.prepare.launch_with(stream, dims, cooperative_attrs(), prepare)?;
         }
         let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
         // GEMM1's A operand: x itself, or its e4m3 copy with its scales (by sorted row with
         // per-token scales).
-        let (mut a1, mut a1s) = match (self.fp8, self.x_per_token) {
+        let (a1, a1s) = match (self.fp8, self.x_per_token) {
             (false, _) => (p.x, 0u64),
             (true, false) => (xq, xs_token),
             (true, true) => (xq, xs_row),
         };
         // GEMM1's output: mid in the activation dtype, or already in e4m3 with its scales.
-        let (mut mid, mut mid_scales) =
+        let (mid, mid_scales) =
             if self.mid_in_gemm1 { (ptr(&s.midq, stream), ptr(&s.mids, stream)) } else { (ptr(&s.mid, stream), 0u64) };
-        let (mut w13, mut w13s, mut w2, mut w2s) = (p.w13, p.w13_scales, p.w2, p.w2_scales);
         let nt1 = (spec.intermediate() / (self.tiles.bn1 / 2)) as usize;
         let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
         // Persistent grids: no more clusters than items (cluster tiles x column blocks).
@@ -323,7 +332,7 @@ impl GroupedPath {
         let (grid1, grid2) = (grid(nt1, self.gemm1_blocks), grid(nt2, self.gemm2_blocks));
         // The weights' tensor maps (warp-specialised kernels): w13 in boxes of BN1 / 2 rows (gate,
         // then up), w2 in boxes of BN2 rows.
-        let (mut w13_map, mut w2_map) = if self.tiles.warp_specialized {
+        let (w13_map, w2_map) = if self.tiles.warp_specialized {
             let (e, hs, is) = (spec.experts() as u64, spec.hidden() as u64, spec.intermediate() as u64);
             let eb = if self.fp8 { 1 } else { 2 };
             (
@@ -331,67 +340,59 @@ impl GroupedPath {
                 TensorMap::k_major(p.w2, e * hs, is * eb, eb, self.tiles.bn2 / self.tiles.cluster)?,
             )
         } else {
-            (TensorMap::unused(), TensorMap::unused())
+            (TmaDesc::UNUSED, TmaDesc::UNUSED)
         };
-        let mut counter1 = ptr(&s.work_counters, stream);
-        let mut counter2 = counter1 + 4;
-        // GEMM1 takes its own tiles' spans with extended items.
-        let mut gemm1_span = if self.ext_rows > 0 { span1 } else { span };
-        unsafe {
-            let mut args = [
-                arg(&mut a1),
-                arg(&mut a1s),
-                arg(&mut sorted),
-                arg(&mut tile_e),
-                arg(&mut gemm1_span),
-                arg(&mut ntiles),
-                arg(&mut w13),
-                arg(&mut w13s),
-                arg(&mut mid),
-                arg(&mut mid_scales),
-                arg(&mut counter1),
-                arg(&mut w13_map),
-            ];
-            self.launch_gemm(&self.fns.gemm1, stream, grid1, self.gemm1_smem, &mut args)?;
-        }
+        let gemm1 = Gemm1Params {
+            a: a1,
+            a_scales: a1s,
+            sorted_rows: sorted,
+            tile_expert: tile_e,
+            // GEMM1 takes its own tiles' spans with extended items.
+            tile_span: if self.ext_rows > 0 { span1 } else { span },
+            num_tiles: ntiles,
+            w13: p.w13,
+            w13_scales: p.w13_scales,
+            mid,
+            mid_scales,
+            work_counter: counters,
+            b_map: w13_map,
+        };
+        unsafe { self.launch_gemm(&self.fns.gemm1, stream, grid1, self.gemm1_smem, gemm1)? };
         let (mut a2, mut a2s) = (mid, mid_scales);
         if self.fp8 && !self.mid_in_gemm1 {
-            let (mut mq, mut ms) = (ptr(&s.midq, stream), ptr(&s.mids, stream));
-            a2 = mq;
-            a2s = ms;
+            let (q, qs) = (ptr(&s.midq, stream), ptr(&s.mids, stream));
+            (a2, a2s) = (q, qs);
             let rows = max_tiles * self.tiles.bm as usize;
-            let mut args = [arg(&mut mid), arg(&mut ntiles), arg(&mut sorted), arg(&mut mq), arg(&mut ms)];
+            let quant = QuantMidParams { mid, num_tiles: ntiles, sorted_rows: sorted, q, s: qs };
             // Half a warp per 128-element block.
             let grid = elementwise(rows * spec.intermediate() as usize / 128 * 16);
-            unsafe { launch(&self.fns.quant_mid, stream, grid, ELEMWISE_THREADS, 0, true, &mut args)? };
+            unsafe { self.fns.quant_mid.launch(stream, (grid, ELEMWISE_THREADS, 0), true, quant)? };
         }
-        let mut out32 = ptr(&s.out32, stream);
+        let out32 = ptr(&s.out32, stream);
         let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
-        unsafe {
-            let mut args = [
-                arg(&mut a2),
-                arg(&mut a2s),
-                arg(&mut sorted),
-                arg(&mut tile_e),
-                arg(&mut span),
-                arg(&mut ntiles),
-                arg(&mut w2),
-                arg(&mut w2s),
-                arg(&mut weights),
-                arg(&mut out32),
-                arg(&mut counter2),
-                arg(&mut w2_map),
-            ];
-            self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(), &mut args)?;
-        }
-        let mut y = p.y;
+        let gemm2_params = Gemm2Params {
+            a: a2,
+            a_scales: a2s,
+            sorted_rows: sorted,
+            tile_expert: tile_e,
+            tile_span: span,
+            num_tiles: ntiles,
+            w2: p.w2,
+            w2_scales: p.w2_scales,
+            topk_weights: p.weights,
+            out: out32,
+            work_counter: counters + 4,
+            b_map: w2_map,
+        };
+        unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(), gemm2_params)? };
         unsafe {
             if deterministic {
-                let mut args = [arg(&mut out32), arg(&mut pos), arg(&mut weights), arg(&mut m32), arg(&mut y)];
-                launch(&self.fns.combine_rows, stream, elementwise(m * h / 8), ELEMWISE_THREADS, 0, true, &mut args)?;
+                let combine = CombineRowsParams { rows: out32, pair_pos: pos, topk_weights: p.weights, m: m32, y: p.y };
+                let dims = (elementwise(m * h / 8), ELEMWISE_THREADS, 0);
+                self.fns.combine_rows.launch(stream, dims, true, combine)?;
             } else {
-                let mut args = [arg(&mut out32), arg(&mut m32), arg(&mut y)];
-                launch(&self.fns.convert, stream, elementwise(m * h), ELEMWISE_THREADS, 0, true, &mut args)?;
+                let convert = ConvertParams { y32: out32, m: m32, y: p.y };
+                self.fns.convert.launch(stream, (elementwise(m * h), ELEMWISE_THREADS, 0), true, convert)?;
             }
         }
         Ok(())
@@ -399,16 +400,19 @@ impl GroupedPath {
 
     /// A GEMM kernel with `smem` bytes of dynamic shared memory, in clusters if the tiles ask
     /// for them.
-    unsafe fn launch_gemm(
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`].
+    unsafe fn launch_gemm<P: KernelParams>(
         &self,
-        f: &CudaFunction,
+        f: &Kernel<P>,
         stream: &CudaStream,
         grid: u32,
         smem: u32,
-        args: &mut [*mut c_void],
+        p: P,
     ) -> Result<()> {
         let dims = (grid, self.tiles.gemm_threads(), smem);
-        launch_with(f, stream, dims, launch_attrs(true, self.tiles.cluster), args)
+        f.launch_with(stream, dims, launch_attrs(true, self.tiles.cluster), p)
     }
 
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
@@ -440,7 +444,3 @@ impl GroupedPath {
 
 /// Where moe_prepare's per-expert counts start in `Scratch::work_counters` (i32 elements).
 const COUNTS_AT: usize = 4;
-
-fn arg<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
-}
