@@ -13,8 +13,20 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use moe_codegen::{render, ActDtype, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES};
 use std::sync::{Arc, Mutex};
 
-/// Element types the activations `x` / `y` may have.
+/// Element types the activations `x` / `y` may have. With the `f16` feature (the facade's
+/// default) they are cudarc `DeviceRepr`s, so generic code can allocate and copy them.
+#[cfg(feature = "f16")]
 pub trait ActElem: DeviceRepr + Copy + Default {
+    /// The activation dtype the kernels are rendered for.
+    const DTYPE: ActDtype;
+    /// Convert from `f32`, rounding to nearest.
+    fn from_f32(v: f32) -> Self;
+    /// Convert to `f32` (exact).
+    fn to_f32(self) -> f32;
+}
+/// Element types the activations `x` / `y` may have.
+#[cfg(not(feature = "f16"))]
+pub trait ActElem: Copy + Default {
     /// The activation dtype the kernels are rendered for.
     const DTYPE: ActDtype;
     /// Convert from `f32`, rounding to nearest.

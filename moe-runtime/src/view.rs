@@ -1,7 +1,7 @@
 //! Device memory the caller owns, seen by `forward`: a pointer, an element count and the element
 //! type, borrowed for as long as the call that takes it.
 
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::marker::PhantomData;
 
 /// A read-only device tensor of `len` elements of `T` (an engine's buffer, or a `CudaSlice`).
@@ -20,7 +20,7 @@ pub struct DeviceTensorMut<'a, T> {
     _borrow: PhantomData<&'a mut [T]>,
 }
 
-impl<'a, T: DeviceRepr> DeviceTensor<'a, T> {
+impl<'a, T> DeviceTensor<'a, T> {
     /// A view of a cudarc slice (e.g. one from candle's CUDA storage), borrowed for `'a`.
     pub fn new(slice: &'a CudaSlice<T>, stream: &CudaStream) -> Self {
         let (ptr, _guard) = slice.device_ptr(stream);
@@ -37,7 +37,7 @@ impl<'a, T: DeviceRepr> DeviceTensor<'a, T> {
     }
 }
 
-impl<'a, T: DeviceRepr> DeviceTensorMut<'a, T> {
+impl<'a, T> DeviceTensorMut<'a, T> {
     /// A writable view of a cudarc slice, borrowed for `'a`.
     pub fn new(slice: &'a mut CudaSlice<T>, stream: &CudaStream) -> Self {
         let len = slice.len();
