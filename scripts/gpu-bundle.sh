@@ -24,6 +24,8 @@ for f in tests/gpu_*.rs; do
   t=$(basename "$f" .rs)
   cp "$(bin $t test --release -p moeforge --test $t --no-run | tail -1)" gpu-bundle/$t
 done
+# The checkpoint loader's GPU test.
+cp "$(bin gpu_checkpoint test --release -p moe-checkpoint --test gpu_checkpoint --no-run | tail -1)" gpu-bundle/gpu_checkpoint
 cp "$(bin cold_start bench --bench cold_start --no-run | tail -1)" gpu-bundle/cold_start
 cp "$(bin caller_owned build --release --example caller_owned | tail -1)" gpu-bundle/caller_owned
 [ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
