@@ -43,6 +43,7 @@ fn child(geometry: &str, format: &str, cache: &str) {
         w13_scales: up(&w.w13_scales),
         w2: s.clone_htod(&w.w2).unwrap(),
         w2_scales: up(&w.w2_scales),
+        bias: None,
     };
     s.synchronize().unwrap();
     let upload = t.elapsed().as_secs_f64();

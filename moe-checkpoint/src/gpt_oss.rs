@@ -83,7 +83,7 @@ pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize) -> Result<Gpt
             w13_bias.push(gu_bias[src]);
         }
     }
-    let weights = HostWeights { w13, w13_scales: w13_s, w2: dn, w2_scales: dn_s };
+    let weights = HostWeights { w13, w13_scales: w13_s, w2: dn, w2_scales: dn_s, ..Default::default() };
     let router = RouterWeights {
         hidden: h,
         gate: store.floats(&format!("{p}.router.weight"), &[e, h])?,

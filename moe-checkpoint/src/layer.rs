@@ -127,7 +127,7 @@ fn stack(
             prefixes.chunks(chunk).map(|ps| sc.spawn(move || ps.iter().map(expert).collect())).collect();
         workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     });
-    let mut w = HostWeights { w13: Vec::new(), w13_scales: Vec::new(), w2: Vec::new(), w2_scales: Vec::new() };
+    let mut w = HostWeights::default();
     for part in parts {
         for [g, u, d] in part? {
             w.w13.extend(g.data.into_iter().chain(u.data));

@@ -120,6 +120,7 @@ kernel_params! {
         topk_ids: u64 = "const int* __restrict__",
         w13: u64 = "const uint4* __restrict__",
         w13_scales: u64 = "const void* __restrict__",
+        w13_bias: u64 = "const float* __restrict__",
         mid: u64 = "float* __restrict__",
         m: i32 = "int",
         err: u64 = "int* __restrict__",
@@ -130,6 +131,7 @@ kernel_params! {
         topk_ids: u64 = "const int* __restrict__",
         w13: u64 = "const uint4* __restrict__",
         w13_scales: u64 = "const void* __restrict__",
+        w13_bias: u64 = "const float* __restrict__",
         w2: u64 = "const uint4* __restrict__",
         mid: u64 = "float* __restrict__",
         m: i32 = "int",
@@ -142,6 +144,7 @@ kernel_params! {
         topk_weights: u64 = "const float* __restrict__",
         w2: u64 = "const uint4* __restrict__",
         w2_scales: u64 = "const void* __restrict__",
+        w2_bias: u64 = "const float* __restrict__",
         y: u64 = "act_t* __restrict__",
         m: i32 = "int",
     }
@@ -256,7 +259,7 @@ mod tests {
         let d = DownParams::c_decl();
         assert!(d.starts_with("struct DownParams {\n    const float* mid;\n"), "{d}");
         assert!(d.contains("    int m;\n};"), "{d}");
-        assert!(d.contains("static_assert(sizeof(DownParams) == 56,"), "{d}");
+        assert!(d.contains("static_assert(sizeof(DownParams) == 64,"), "{d}");
         assert!(
             d.contains("static_assert(sizeof(DownParams::m) == 4 && alignof(decltype(DownParams::m)) == 4,"),
             "{d}"

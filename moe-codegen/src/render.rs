@@ -244,6 +244,8 @@ struct WarpDecodeCu {
     experts: u32,
     top_k: u32,
     activation: Activation,
+    /// Per-expert biases ([`MoeSpec::has_bias`]).
+    bias: bool,
     fmt: FormatCtx,
     act_type: &'static str,
     warps: u32,
@@ -370,6 +372,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         experts: spec.experts(),
         top_k: spec.top_k(),
         activation: spec.activation(),
+        bias: spec.has_bias(),
         fmt: FormatCtx::new(spec.weight_format(), variant, arch),
         act_type: spec.act_dtype().cuda_type(),
         warps: tiles.warps,

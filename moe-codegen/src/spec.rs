@@ -88,32 +88,46 @@ pub enum SpecError {
     },
 }
 
-/// The gated activation applied between the up and down projections: `act(gate) * up`.
+/// The gated activation applied between the up and down projections, `glu(gate, up)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Activation {
     /// SwiGLU: `silu(gate) * up` (Qwen, Mixtral, OLMoE, DeepSeek).
     Silu,
     /// GeGLU with the tanh approximation: `gelu_tanh(gate) * up`.
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: `gate` clamped above at 7, `up` to [-7, 7], then
+    /// `gate * sigmoid(1.702 * gate) * (up + 1)` (Hugging Face `GptOssExperts`).
+    SwigluOai,
 }
+
+/// [`Activation::SwigluOai`]'s constants (gpt-oss's `alpha` and `limit`).
+pub const SWIGLU_OAI_ALPHA: f64 = 1.702;
+/// See [`SWIGLU_OAI_ALPHA`].
+pub const SWIGLU_OAI_LIMIT: f64 = 7.0;
 
 impl Activation {
     /// Every activation.
-    pub const ALL: [Activation; 2] = [Activation::Silu, Activation::GeluTanh];
-    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`silu`, `gelu_tanh`).
+    pub const ALL: [Activation; 3] = [Activation::Silu, Activation::GeluTanh, Activation::SwigluOai];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`silu`, `gelu_tanh`, `swiglu_oai`).
     pub const fn name(self) -> &'static str {
         match self {
             Activation::Silu => "silu",
             Activation::GeluTanh => "gelu_tanh",
+            Activation::SwigluOai => "swiglu_oai",
         }
     }
-    /// f64 reference of the activation.
-    pub fn eval(self, g: f64) -> f64 {
+    /// f64 reference: the intermediate value of one neuron from its gate and up projections.
+    pub fn glu(self, g: f64, u: f64) -> f64 {
         match self {
-            Activation::Silu => g / (1.0 + (-g).exp()),
+            Activation::Silu => g / (1.0 + (-g).exp()) * u,
             Activation::GeluTanh => {
                 let c = (2.0 / std::f64::consts::PI).sqrt();
-                0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh())
+                0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u
+            }
+            Activation::SwigluOai => {
+                let g = g.min(SWIGLU_OAI_LIMIT);
+                let u = u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT);
+                g / (1.0 + (-SWIGLU_OAI_ALPHA * g).exp()) * (u + 1.0)
             }
         }
     }
@@ -233,7 +247,7 @@ macro_rules! named_enum_parse {
         }
     };
 }
-named_enum_parse!(Activation, "activation", "silu, gelu_tanh");
+named_enum_parse!(Activation, "activation", "silu, gelu_tanh, swiglu_oai");
 named_enum_parse!(ActDtype, "activation dtype", "bf16, fp16");
 named_enum_parse!(Arch, "arch", "sm_90a, sm_100a, sm_120a");
 named_enum_parse!(KernelFamily, "kernel family", "warp_decode, grouped_gemm");
@@ -261,6 +275,10 @@ pub struct MoeSpec {
     /// How router logits become routing (only the prefill family routes on the device).
     #[serde(default)]
     router: Router,
+    /// Per-expert biases: `w13_bias [E, 2I]` added to the gate / up projections before the
+    /// activation, `w2_bias [E, H]` to each expert's output before its routing weight (gpt-oss).
+    #[serde(default)]
+    bias: bool,
 }
 
 /// Why a reduction axis must be a multiple of the format's vector width.
@@ -278,6 +296,7 @@ impl MoeSpec {
             weight_format: WeightFormat::Bf16,
             act_dtype: None,
             dequant: None,
+            bias: false,
         }
     }
 
@@ -307,6 +326,21 @@ impl MoeSpec {
         weight_format: WeightFormat,
         act_dtype: ActDtype,
         dequant: Option<DequantVariant>,
+    ) -> Result<MoeSpec, SpecError> {
+        MoeSpec::new_full(hidden, intermediate, experts, top_k, activation, weight_format, act_dtype, dequant, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    const fn new_full(
+        hidden: u32,
+        intermediate: u32,
+        experts: u32,
+        top_k: u32,
+        activation: Activation,
+        weight_format: WeightFormat,
+        act_dtype: ActDtype,
+        dequant: Option<DequantVariant>,
+        bias: bool,
     ) -> Result<MoeSpec, SpecError> {
         if hidden == 0 {
             return Err(SpecError::Zero { field: "hidden" });
@@ -419,6 +453,7 @@ impl MoeSpec {
             act_dtype,
             dequant,
             router: Router::Softmax { renormalize: true },
+            bias,
         })
     }
 
@@ -462,6 +497,16 @@ impl MoeSpec {
         Ok(self)
     }
 
+    /// This spec with (or without) per-expert biases.
+    pub const fn with_bias(mut self, bias: bool) -> MoeSpec {
+        self.bias = bias;
+        self
+    }
+    /// Whether the experts have biases (`w13_bias [E, 2I]`, `w2_bias [E, H]`, f32).
+    pub const fn has_bias(&self) -> bool {
+        self.bias
+    }
+
     /// The dequant variant the spec names; `None`: the format's default on each arch.
     pub const fn dequant(&self) -> Option<DequantVariant> {
         self.dequant
@@ -499,8 +544,9 @@ impl MoeSpec {
         let dq = self.dequant.map_or(String::new(), |d| format!("_{d}"));
         // The default router is left out so ids (and module names) of decode specs stay short.
         let router = if self.router == Router::default() { String::new() } else { format!("_{}", self.router) };
+        let bias = if self.bias { "_bias" } else { "" };
         format!(
-            "h{}_i{}_e{}_k{}_{}_{}_{}{router}{dq}",
+            "h{}_i{}_e{}_k{}_{}_{}_{}{bias}{router}{dq}",
             self.hidden,
             self.intermediate,
             self.experts,
@@ -523,9 +569,15 @@ pub struct MoeSpecBuilder {
     weight_format: WeightFormat,
     act_dtype: Option<ActDtype>,
     dequant: Option<DequantVariant>,
+    bias: bool,
 }
 
 impl MoeSpecBuilder {
+    /// Per-expert biases on w13 and w2 (default: none).
+    pub const fn bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
     /// Set the activation (default: SiLU).
     pub const fn activation(mut self, a: Activation) -> Self {
         self.activation = a;
@@ -552,7 +604,7 @@ impl MoeSpecBuilder {
             Some(d) => d,
             None => self.weight_format.default_act_dtype(),
         };
-        MoeSpec::new_with_dequant(
+        MoeSpec::new_full(
             self.hidden,
             self.intermediate,
             self.experts,
@@ -561,6 +613,7 @@ impl MoeSpecBuilder {
             self.weight_format,
             act,
             self.dequant,
+            self.bias,
         )
     }
 }
@@ -660,5 +713,20 @@ mod tests {
         let f = b(2048, 768, 128, 8).weight_format(WeightFormat::Fp8E4m3).build().unwrap();
         assert_eq!(f.expert_bytes(), 3 * 768 * 2048 + 4 * (2 * 768 + 2048));
         assert_eq!(s.id(), "h2048_i768_e128_k8_bf16_bf16_silu");
+        let g = b(2880, 2880, 32, 4).activation(Activation::SwigluOai).bias(true).build().unwrap();
+        assert!(g.has_bias());
+        assert_eq!(g.id(), "h2880_i2880_e32_k4_bf16_bf16_swiglu_oai_bias");
+    }
+
+    #[test]
+    fn swiglu_oai_clamps_as_gpt_oss() {
+        let a = Activation::SwigluOai;
+        // Below the limits: gate * sigmoid(1.702 gate) * (up + 1).
+        let want = 0.5 / (1.0 + (-1.702f64 * 0.5).exp()) * (2.0 + 1.0);
+        assert!((a.glu(0.5, 2.0) - want).abs() < 1e-15);
+        // gate clamps above only, up on both sides.
+        assert_eq!(a.glu(9.0, 9.0), a.glu(7.0, 7.0));
+        assert_eq!(a.glu(-9.0, -9.0), a.glu(-9.0, -7.0));
+        assert!(a.glu(-9.0, 0.0) < 0.0 && a.glu(-9.0, 0.0) > -1e-5);
     }
 }

@@ -1,4 +1,4 @@
-// The gated activation act(gate), applied before the product with up.
+// The gated activation act(gate), applied before the product with up (moe_glu).
 __device__ __forceinline__ float moe_act(float g) {
 {%- match activation %}
 {%- when Activation::Silu %}
@@ -7,6 +7,20 @@ __device__ __forceinline__ float moe_act(float g) {
 {%- when Activation::GeluTanh %}
     const float c = 0.7978845608028654f;  // sqrt(2 / pi)
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+{%- when Activation::SwigluOai %}
+    // gpt-oss: gate clamped above at the limit, then gate * sigmoid(alpha * gate) (the constants:
+    // moe_codegen::spec::SWIGLU_OAI_LIMIT, SWIGLU_OAI_ALPHA).
+    g = fminf(g, 7.0f);
+    return __fdividef(g, 1.0f + __expf(-1.702f * g));
+{%- endmatch %}
+}
+// One intermediate value from its neuron's gate and up projections.
+__device__ __forceinline__ float moe_glu(float g, float u) {
+{%- match activation %}
+{%- when Activation::SwigluOai %}
+    return moe_act(g) * (fminf(fmaxf(u, -7.0f), 7.0f) + 1.0f);
+{%- else %}
+    return moe_act(g) * u;
 {%- endmatch %}
 }
 // moe_act with SiLU's exp2 and reciprocal approximate and flushing denormals: the same values for
@@ -22,7 +36,16 @@ __device__ __forceinline__ float moe_act_ftz(float g) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
     return g * r;
-{%- when Activation::GeluTanh %}
+{%- else %}
     return moe_act(g);
+{%- endmatch %}
+}
+// moe_glu through moe_act_ftz.
+__device__ __forceinline__ float moe_glu_ftz(float g, float u) {
+{%- match activation %}
+{%- when Activation::Silu %}
+    return moe_act_ftz(g) * u;
+{%- else %}
+    return moe_glu(g, u);
 {%- endmatch %}
 }

@@ -192,7 +192,14 @@ moe_gate_up_bulk(const __grid_constant__ GateUpBulkParams params) {
         if (lane == 0) mbar_arrive(ring.empty(st));
         const float g = warp_sum(ag[0]) * (cur.gr * xm);
         const float u = warp_sum(au[0]) * (cur.ur * xm);
-        if (lane == 0) mid[mid_index(t / BK_GU_PER_PAIR, (t % BK_GU_PER_PAIR) * GW + cw)] = moe_act(g) * u;
+        if (lane == 0) {
+            float bg = 0.0f, bu = 0.0f;
+            if constexpr (HAS_BIAS) {
+                const long grow = bk_gu_row(topk_ids, t) + cw;
+                bg = __ldg(w13_bias + grow), bu = __ldg(w13_bias + grow + INTER);
+            }
+            mid[mid_index(t / BK_GU_PER_PAIR, (t % BK_GU_PER_PAIR) * GW + cw)] = moe_glu(g + bg, u + bu);
+        }
         cur = next;
         t = tn;
     }
@@ -357,7 +364,10 @@ moe_down_bulk(const __grid_constant__ DownParams params) {
         __syncwarp();
         if (lane == 0) mbar_arrive(ring.empty(st));
         const float sum = warp_sum(acc);
-        if (lane == 0) y[t * DW + cw] = narrow(sum, (const act_t*)nullptr);
+        if (lane == 0) {
+            const float b = HAS_BIAS ? w2_bias_sum(sid, swt, w2_bias, t * DW + cw) : 0.0f;
+            y[t * DW + cw] = narrow(sum + b, (const act_t*)nullptr);
+        }
         cur = next;
         t = tn;
     }

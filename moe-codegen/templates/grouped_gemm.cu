@@ -265,7 +265,7 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
         const float* s = w13_scales + (long)e * 2 * INTER;
         sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
     }
-    store_pair(mid + (long)row * INTER + n, moe_act(g[0] * sg0) * (u[0] * su0), moe_act(g[1] * sg1) * (u[1] * su1));
+    store_pair(mid + (long)row * INTER + n, moe_glu(g[0] * sg0, u[0] * su0), moe_glu(g[1] * sg1, u[1] * su1));
 }
 
 // A consumer thread's per-channel scales (cols, WSCALE 1) of its columns 8 q + 2 (lane % 4) + 0, 1
@@ -290,13 +290,13 @@ __device__ __forceinline__ ThreadCols<N> thread_cols(const float* cols, int lane
 // The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
 // in q + NQ) in row h, rounded to act_t; g and u: the gate and up column scales (col_scale), xs
 // the row's activation scale (X_PER_ROW).
-// FTZ: through moe_act_ftz (the same values).
+// FTZ: through moe_glu_ftz (the same values).
 template <int NQ, bool FTZ = false>
 __device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, float2 g, float2 u, float xs) {
     const float2 sg = make_float2(g.x * xs, g.y * xs), su = make_float2(u.x * xs, u.y * xs);
-    auto act = [](float v) { return FTZ ? moe_act_ftz(v) : moe_act(v); };
-    return make_float2((float)(act_t)(act(acc[q * 4 + 2 * h] * sg.x) * (acc[(q + NQ) * 4 + 2 * h] * su.x)),
-                       (float)(act_t)(act(acc[q * 4 + 2 * h + 1] * sg.y) * (acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
+    auto glu = [](float gv, float uv) { return FTZ ? moe_glu_ftz(gv, uv) : moe_glu(gv, uv); };
+    return make_float2((float)(act_t)(glu(acc[q * 4 + 2 * h] * sg.x, acc[(q + NQ) * 4 + 2 * h] * su.x)),
+                       (float)(act_t)(glu(acc[q * 4 + 2 * h + 1] * sg.y, acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
 }
 
 // Row r of a warp's 16 (lane / 4 + 8 h) from the lane that holds it: that lane's value x[h].
@@ -504,7 +504,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 const int i = 2 * j + k % 2, nf = k / 2;  // the accumulator element of (row k, neuron j)
                 const float g = eacc[nf * 4 + i] * (j ? sg.y : sg.x) * xs[k];
                 const float u = eacc[TAIL / 2 + nf * 4 + i] * (j ? su.y : su.x) * xs[k];
-                const act_t v = (act_t)(moe_act(g) * u);
+                const act_t v = (act_t)moe_glu(g, u);
                 asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * (BN1 / 2) + nl + 8 * j) * 2),
                              "h"(*reinterpret_cast<const unsigned short*>(&v))
                              : "memory");

@@ -15,6 +15,9 @@ constexpr int HIDDEN = {{ hidden }};
 constexpr int INTER = {{ intermediate }};
 constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
+// Per-expert biases: w13_bias [E, 2I] on the gate / up projections before the activation,
+// w2_bias [E, H] on each expert's output, under its routing weight (f32).
+constexpr bool HAS_BIAS = {{ bias }};
 constexpr int WARPS = {{ warps }};        // warps per block
 constexpr int GU_CHUNK = {{ gu_chunk }};  // at most this many 16-byte vectors per lane per row in a gate_up unit
 constexpr bool GU_EARLY = {{ gu_early }};  // the one-token gate_up loads its first unit before routing
@@ -454,7 +457,8 @@ __device__ __forceinline__ bool load_first_unit(const int* __restrict__ topk_ids
 template <int MT>
 __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __restrict__ x, const XStage& xs,
                                               const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                              float* __restrict__ mid, GuUnit<MT>& cur, bool loaded) {
+                                              const float* __restrict__ w13_bias, float* __restrict__ mid,
+                                              GuUnit<MT>& cur, bool loaded) {
     using S = GuShape<MT>;
     const int lane = threadIdx.x & 31;
     const int sub = lane % S::LANES;  // lane within the item's row
@@ -512,13 +516,15 @@ __device__ __forceinline__ void gate_up_phase(const Routing& r, const act_t* __r
             const float gs = cur.gate_scale(w13_scales, grow);
             const float us = cur.up_scale(w13_scales, grow);
             const int n = (int)(item % INTER);
+            float bg = 0.0f, bu = 0.0f;
+            if constexpr (HAS_BIAS) bg = __ldg(w13_bias + grow), bu = __ldg(w13_bias + grow + INTER);
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
                 if (j < nt) {
                     const float xm = x_unscale(xs, tok[j]);
                     const float g = lanes_sum<S::LANES>(ag[j]) * (gs * xm);
                     const float v = lanes_sum<S::LANES>(au[j]) * (us * xm);
-                    if (sub == 0) mid[mid_index(pair[j], n)] = moe_act(g) * v;
+                    if (sub == 0) mid[mid_index(pair[j], n)] = moe_glu(g + bg, v + bu);
                 }
             }
             if (!more) break;
@@ -548,10 +554,19 @@ constexpr int DN_VPL = (DN_FLAT + 31) / 32;  // ... per lane
 // top of the DN_CHUNK in registers: the wait on gate_up then finds them landed. Only
 // moe_down_stash (M = 1) has the stash, for one row per item; at M >= 2 it measured slower.
 constexpr int DN_STASH_VECS = DN_VPL - DN_CHUNK < {{ dn_stash }} ? DN_VPL - DN_CHUNK : {{ dn_stash }};
+// sum over a token's slots of weight * w2_bias[e][h] (slots sid / swt, -1 ids skipped).
+__device__ __forceinline__ float w2_bias_sum(const int* sid, const float* swt, const float* __restrict__ w2_bias, int h) {
+    float b = 0.0f;
+#pragma unroll
+    for (int s = 0; s < TOP_K; ++s) {
+        if (sid[s] >= 0) b = fmaf(swt[s], __ldg(w2_bias + (long)sid[s] * HIDDEN + h), b);
+    }
+    return b;
+}
 template <int ROWS, int DN_STASH = 0>
 __device__ __forceinline__ void down_phase(const int* sid, const float* swt, const float* __restrict__ mid,
                                            const uint4* __restrict__ w2, const void* __restrict__ w2_scales,
-                                           act_t* __restrict__ y, int m) {
+                                           const float* __restrict__ w2_bias, act_t* __restrict__ y, int m) {
     static_assert(HIDDEN % ROWS == 0 && (DN_STASH == 0 || ROWS == 1), "the stash holds one row per item");
     const int lane = threadIdx.x & 31;
     const int items = HIDDEN / ROWS * m;  // 32-bit: the host bounds it
@@ -678,7 +693,10 @@ __device__ __forceinline__ void down_phase(const int* sid, const float* swt, con
 #pragma unroll
             for (int q = 0; q < ROWS; ++q) {
                 const float v = warp_sum(acc[q]);
-                if (lane == 0) y[(long)t * HIDDEN + hr * ROWS + q] = narrow(v, (const act_t*)nullptr);
+                if (lane == 0) {
+                    const float b = HAS_BIAS ? w2_bias_sum(sid + t * TOP_K, swt + t * TOP_K, w2_bias, hr * ROWS + q) : 0.0f;
+                    y[(long)t * HIDDEN + hr * ROWS + q] = narrow(v + b, (const act_t*)nullptr);
+                }
                 acc[q] = 0.0f;
             }
             if (!more) break;
@@ -725,7 +743,7 @@ moe_down(const __grid_constant__ DownParams params) {
     // our completion before it reads anything: let it launch once all our blocks have started, so
     // that its blocks take the SM slots ours free instead of launching after our last one.
     pdl_launch_dependents();
-    down_phase<DN_ROWS>(sid, swt, mid, w2, w2_scales, y, m);
+    down_phase<DN_ROWS>(sid, swt, mid, w2, w2_scales, w2_bias, y, m);
 }
 #endif  // entry moe_down
 // As moe_down, with DN_STASH_VECS more vectors per lane of each warp's first item copied to shared
@@ -741,7 +759,7 @@ moe_down_stash(const __grid_constant__ DownParams params) {
     float* swt = reinterpret_cast<float*>(smem + m * TOP_K);
     stage_pairs(topk_ids, topk_weights, m * TOP_K, sid, swt);
     pdl_launch_dependents();  // as in moe_down
-    down_phase<1, DN_STASH_VECS>(sid, swt, mid, w2, w2_scales, y, m);
+    down_phase<1, DN_STASH_VECS>(sid, swt, mid, w2, w2_scales, w2_bias, y, m);
 }
 #endif  // entry moe_down_stash
 {%- for mt in token_tiles %}
@@ -757,7 +775,7 @@ moe_gate_up_t{{ mt }}(const __grid_constant__ GateUpParams params) {
     const bool loaded = load_first_unit(topk_ids, m, w13, w13_scales, first);
     XStage xs;
     const Routing r = route_and_stage(x, topk_ids, m, smem, err, xs);
-    gate_up_phase<{{ mt }}>(r, x, xs, w13, w13_scales, mid, first, loaded);
+    gate_up_phase<{{ mt }}>(r, x, xs, w13, w13_scales, w13_bias, mid, first, loaded);
 }
 #endif  // entry moe_gate_up_t{{ mt }}
 {%- endfor %}

@@ -62,6 +62,8 @@ pub struct MoeLayer {
     w13_scales: CudaSlice<u8>,
     w2: CudaSlice<u8>,
     w2_scales: CudaSlice<u8>,
+    /// `(w13_bias, w2_bias)` of a spec with biases.
+    bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
     /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]), or the ids a
@@ -163,13 +165,15 @@ impl MoeLayer {
         weights.validate(&spec)?;
         let decode = DecodeFamily::load(device, &spec, &src)?;
         let stream = device.stream().clone();
-        let [w13, w13_scales, w2, w2_scales] = weights.into_device(&stream)?;
+        let on_device = weights.into_device(&stream)?;
+        let [w13, w13_scales, w2, w2_scales] = on_device.mats;
         let layer = MoeLayer {
             spec,
             w13,
             w13_scales,
             w2,
             w2_scales,
+            bias: on_device.bias,
             errors: stream.alloc_zeros::<i32>(1)?,
             ids32: Mutex::new(stream.alloc_zeros::<i32>(1)?),
             weights32: Mutex::new(stream.alloc_zeros::<f32>(1)?),
@@ -544,6 +548,8 @@ impl MoeLayer {
             w13_scales: ptr(&self.w13_scales, s),
             w2: ptr(&self.w2, s),
             w2_scales: ptr(&self.w2_scales, s),
+            w13_bias: self.bias.as_ref().map_or(0, |(b, _)| ptr(b, s)),
+            w2_bias: self.bias.as_ref().map_or(0, |(_, b)| ptr(b, s)),
             errors: ptr(&self.errors, s),
         }
     }

@@ -6,9 +6,10 @@ use moe_codegen::{MoeSpec, Router};
 
 /// `y[M, H]` in f64. `x` holds the activations as the device sees them (already rounded to the
 /// activation dtype); `ids` / `weights` are `[M, k]`. Rows are dequantized only for the experts
-/// the step touches. Runs on every core.
+/// the step touches. Runs on every core. The weights' biases apply where the spec has them.
 pub fn moe_forward(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
-    moe_forward_rows(spec, |e, r| w.w13_row(spec, e, r), |e, r| w.w2_row(spec, e, r), x, ids, weights)
+    let bias = spec.has_bias().then_some((w.w13_bias.as_slice(), w.w2_bias.as_slice()));
+    forward_rows(spec, |e, r| w.w13_row(spec, e, r), |e, r| w.w2_row(spec, e, r), bias, x, ids, weights, |_| {})
 }
 
 /// [`moe_forward`] on f32 weights in the spec's layout (`w13 [E, 2I, H]`, `w2 [E, H, I]`), e.g. the
@@ -34,7 +35,7 @@ where
     A: Fn(usize, usize) -> Vec<f32> + Sync,
     B: Fn(usize, usize) -> Vec<f32> + Sync,
 {
-    forward_rows(spec, w13_row, w2_row, x, ids, weights, |_| {})
+    forward_rows(spec, w13_row, w2_row, None, x, ids, weights, |_| {})
 }
 
 /// [`moe_forward`] as the grouped family computes it with fp8 weights: x and the intermediate
@@ -50,6 +51,7 @@ pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i
         spec,
         |e, r| w.w13_row(spec, e, r),
         |e, r| w.w2_row(spec, e, r),
+        None,
         &xq,
         ids,
         weights,
@@ -75,11 +77,14 @@ pub fn quant_e4m3(v: &[f32], group: usize) -> Vec<f32> {
     out
 }
 
-/// The reference with a hook on each pair's intermediate row (`[I]`, f64) before the down GEMM.
+/// The reference with a hook on each pair's intermediate row (`[I]`, f64) before the down GEMM,
+/// and `(w13_bias [E, 2I], w2_bias [E, H])` where the experts have biases.
+#[allow(clippy::too_many_arguments)]
 fn forward_rows<A, B>(
     spec: &MoeSpec,
     w13_row: A,
     w2_row: B,
+    bias: Option<(&[f32], &[f32])>,
     x: &[f32],
     ids: &[i32],
     weights: &[f32],
@@ -109,9 +114,10 @@ where
         let mut out = vec![0f64; ps.len() * (n1 - n0)];
         for n in n0..n1 {
             let (g, u) = (w13_row(*e, n), w13_row(*e, i + n));
+            let (bg, bu) = bias.map_or((0.0, 0.0), |(b, _)| (b[e * 2 * i + n] as f64, b[e * 2 * i + i + n] as f64));
             for (q, &p) in ps.iter().enumerate() {
                 let xt = &xs[(p / k) * h..(p / k + 1) * h];
-                out[q * (n1 - n0) + n - n0] = spec.activation().eval(dot(&g, xt)) * dot(&u, xt);
+                out[q * (n1 - n0) + n - n0] = spec.activation().glu(dot(&g, xt) + bg, dot(&u, xt) + bu);
             }
         }
         out
@@ -135,8 +141,9 @@ where
         let mut out = vec![0f64; ps.len() * (r1 - r0)];
         for r in r0..r1 {
             let row = w2_row(*e, r);
+            let b = bias.map_or(0.0, |(_, b)| b[e * h + r] as f64);
             for (q, &p) in ps.iter().enumerate() {
-                out[q * (r1 - r0) + r - r0] = dot(&row, &mid[p * i..(p + 1) * i]);
+                out[q * (r1 - r0) + r - r0] = dot(&row, &mid[p * i..(p + 1) * i]) + b;
             }
         }
         out

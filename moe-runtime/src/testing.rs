@@ -23,7 +23,15 @@ pub fn random_weights(spec: &MoeSpec, seed: u64) -> HostWeights {
     let f = spec.weight_format();
     let a = random_packed(f, e, 2 * i, h, seed, false);
     let b = random_packed(f, e, h, i, seed ^ 0x9e37_79b9_7f4a_7c15, false);
-    HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales }
+    let w = HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales, ..Default::default() };
+    if !spec.has_bias() {
+        return w;
+    }
+    // Biases of the order of the projections they are added to.
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0xb1a5);
+    let mut draw = |n: usize| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<f32>>();
+    let (b13, b2) = (draw(e * 2 * i), draw(e * h));
+    w.with_bias(b13, b2)
 }
 
 /// `tensors` stacked random `[rows, cols]` matrices in `format`: every code uniformly (NaN codes

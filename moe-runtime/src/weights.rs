@@ -10,7 +10,7 @@ use moe_codegen::{MoeSpec, QuantError};
 use std::sync::Arc;
 
 /// A layer's expert weights in host memory, quantized into the spec's format, ready to upload.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct HostWeights {
     /// The format's code bytes for the `E` stacked `[2I, H]` matrices (gate rows, then up rows).
     pub w13: Vec<u8>,
@@ -20,6 +20,11 @@ pub struct HostWeights {
     pub w2: Vec<u8>,
     /// The format's scale bytes for the `E` stacked `[H, I]` matrices of `w2` (empty if none).
     pub w2_scales: Vec<u8>,
+    /// With [`MoeSpec::has_bias`]: `[E, 2I]` f32 added to the gate / up projections (empty
+    /// without biases).
+    pub w13_bias: Vec<f32>,
+    /// With [`MoeSpec::has_bias`]: `[E, H]` f32 added to each expert's output (empty without).
+    pub w2_bias: Vec<f32>,
 }
 
 impl HostWeights {
@@ -30,12 +35,21 @@ impl HostWeights {
         let f = spec.weight_format();
         let a = f.quantize_stacked(e, 2 * i, h, w13)?;
         let b = f.quantize_stacked(e, h, i, w2)?;
-        Ok(HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales })
+        Ok(HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales, ..Default::default() })
+    }
+
+    /// These weights with per-expert biases (`w13_bias [E, 2I]`, `w2_bias [E, H]`, f32), for a
+    /// spec with [`MoeSpec::has_bias`].
+    pub fn with_bias(mut self, w13_bias: Vec<f32>, w2_bias: Vec<f32>) -> HostWeights {
+        self.w13_bias = w13_bias;
+        self.w2_bias = w2_bias;
+        self
     }
 
     /// Check sizes against the spec.
     pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
-        check_sizes(spec, [self.w13.len(), self.w13_scales.len(), self.w2.len(), self.w2_scales.len()])
+        check_sizes(spec, [self.w13.len(), self.w13_scales.len(), self.w2.len(), self.w2_scales.len()])?;
+        check_bias(spec, self.w13_bias.len(), self.w2_bias.len())
     }
 
     /// Row `r` of expert `e`'s `w13` (`r < 2I`), dequantized exactly as the kernels read it.
@@ -69,6 +83,23 @@ fn check_sizes(spec: &MoeSpec, [w13, w13_scales, w2, w2_scales]: [usize; 4]) -> 
     Ok(())
 }
 
+/// `w13_bias` / `w2_bias` element counts: `[E, 2I]` and `[E, H]` with biases, none without.
+fn check_bias(spec: &MoeSpec, w13: usize, w2: usize) -> Result<()> {
+    let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
+    let want = if spec.has_bias() { [e * 2 * i, e * h] } else { [0, 0] };
+    for (what, got, expected) in [("w13_bias", w13, want[0]), ("w2_bias", w2, want[1])] {
+        if got != expected {
+            let has = if spec.has_bias() { "has" } else { "has no" };
+            return Err(RuntimeError::Shape {
+                what,
+                expected: format!("{expected} f32 (the spec {has} biases)"),
+                got: format!("{got}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Expert weights already on the device, in [`HostWeights`]' layout, moved into the layer that
 /// is built from them (no copy). `None` scales: the format has none.
 #[derive(Debug)]
@@ -81,6 +112,8 @@ pub struct DeviceWeights {
     pub w2: CudaSlice<u8>,
     /// The scale bytes of `w2`, as in [`HostWeights::w2_scales`].
     pub w2_scales: Option<CudaSlice<u8>>,
+    /// `w13_bias` and `w2_bias` (f32) as in [`HostWeights`], for a spec with biases.
+    pub bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 impl DeviceWeights {
@@ -106,6 +139,7 @@ impl DeviceWeights {
             w13_scales: w13_scales.map(copy).transpose()?,
             w2: copy(w2)?,
             w2_scales: w2_scales.map(copy).transpose()?,
+            bias: None,
         };
         stream.synchronize()?;
         Ok(w)
@@ -114,7 +148,9 @@ impl DeviceWeights {
     /// Check sizes against the spec.
     pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
         let len = |s: &Option<CudaSlice<u8>>| s.as_ref().map_or(0, |s| s.len());
-        check_sizes(spec, [self.w13.len(), len(&self.w13_scales), self.w2.len(), len(&self.w2_scales)])
+        check_sizes(spec, [self.w13.len(), len(&self.w13_scales), self.w2.len(), len(&self.w2_scales)])?;
+        let (b13, b2) = self.bias.as_ref().map_or((0, 0), |(a, b)| (a.len(), b.len()));
+        check_bias(spec, b13, b2)
     }
 }
 
@@ -149,19 +185,32 @@ impl Weights<'_> {
     }
 
     /// `[w13, w13_scales, w2, w2_scales]` on the device (a 16-byte zero buffer for absent scales,
-    /// so every kernel pointer is valid).
-    pub(crate) fn into_device(self, stream: &Arc<CudaStream>) -> Result<[CudaSlice<u8>; 4]> {
+    /// so every kernel pointer is valid), and the biases where the spec has them.
+    pub(crate) fn into_device(self, stream: &Arc<CudaStream>) -> Result<OnDevice> {
         let empty = || stream.alloc_zeros::<u8>(16);
         Ok(match self {
             Weights::Host(w) => {
                 let up = |v: &[u8]| if v.is_empty() { Ok(empty()?) } else { upload(stream, v) };
-                [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?]
+                let bias = if w.w13_bias.is_empty() {
+                    None
+                } else {
+                    Some((stream.clone_htod(&w.w13_bias)?, stream.clone_htod(&w.w2_bias)?))
+                };
+                OnDevice { mats: [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?], bias }
             }
             Weights::Device(w) => {
-                [w.w13, w.w13_scales.map_or_else(empty, Ok)?, w.w2, w.w2_scales.map_or_else(empty, Ok)?]
+                let w = *w;
+                let mats = [w.w13, w.w13_scales.map_or_else(empty, Ok)?, w.w2, w.w2_scales.map_or_else(empty, Ok)?];
+                OnDevice { mats, bias: w.bias }
             }
         })
     }
+}
+
+/// A layer's weights on the device: `[w13, w13_scales, w2, w2_scales]` and the biases.
+pub(crate) struct OnDevice {
+    pub mats: [CudaSlice<u8>; 4],
+    pub bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 /// Buffers from this size on are page-locked for their upload.

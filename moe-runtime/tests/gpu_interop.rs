@@ -88,6 +88,7 @@ fn caller_owned_bad_input_is_a_typed_error() {
         w13_scales: None,
         w2: stream.alloc_zeros(16).unwrap(),
         w2_scales: None,
+        bias: None,
     };
     assert!(matches!(MoeLayer::load(&dev, spec, short), Err(RuntimeError::Shape { .. })));
     // Ids of the wrong count.

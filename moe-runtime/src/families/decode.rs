@@ -274,6 +274,7 @@ impl DecodeFamily {
             topk_ids: p.ids,
             w13: p.w13,
             w13_scales: p.w13_scales,
+            w13_bias: p.w13_bias,
             mid,
             m: m_i32,
             err: p.errors,
@@ -284,6 +285,7 @@ impl DecodeFamily {
             topk_weights: p.weights,
             w2: p.w2,
             w2_scales: p.w2_scales,
+            w2_bias: p.w2_bias,
             y: p.y,
             m: m_i32,
         };
@@ -303,6 +305,7 @@ impl DecodeFamily {
                         topk_ids: gu.topk_ids,
                         w13: gu.w13,
                         w13_scales: gu.w13_scales,
+                        w13_bias: gu.w13_bias,
                         w2: p.w2,
                         mid,
                         m: m_i32,

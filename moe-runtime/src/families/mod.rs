@@ -19,5 +19,8 @@ pub(crate) struct StepPtrs {
     pub w13_scales: u64,
     pub w2: u64,
     pub w2_scales: u64,
+    /// Per-expert biases (0 without: the kernels are rendered not to read them).
+    pub w13_bias: u64,
+    pub w2_bias: u64,
     pub errors: u64,
 }
