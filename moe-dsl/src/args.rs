@@ -16,8 +16,19 @@ use syn::punctuated::Punctuated;
 use syn::{bracketed, token, Ident, LitInt, Token};
 
 /// Every key the attribute takes, in the order the docs list them.
-pub(crate) const KEYS: [&str; 10] =
-    ["hidden", "intermediate", "experts", "top_k", "format", "dequant", "activation", "act_dtype", "archs", "families"];
+pub(crate) const KEYS: [&str; 11] = [
+    "hidden",
+    "intermediate",
+    "experts",
+    "top_k",
+    "format",
+    "dequant",
+    "activation",
+    "act_dtype",
+    "bias",
+    "archs",
+    "families",
+];
 const REQUIRED: [&str; 4] = ["hidden", "intermediate", "experts", "top_k"];
 
 /// The right-hand side of one argument: everything up to the next top-level comma.
@@ -194,6 +205,14 @@ fn name<T: FromStr<Err = SpecError>>(arg: &Arg) -> syn::Result<T> {
     }
 }
 
+fn boolean(arg: &Arg) -> syn::Result<bool> {
+    match &arg.value {
+        Value::Name(ident) if ident == "true" => Ok(true),
+        Value::Name(ident) if ident == "false" => Ok(false),
+        other => Err(syn::Error::new_spanned(other, format!("`{}` takes `true` or `false`", arg.key))),
+    }
+}
+
 fn parse_name<T: FromStr<Err = SpecError>>(ident: &Ident) -> syn::Result<T> {
     ident.unraw().to_string().parse::<T>().map_err(|e| syn::Error::new_spanned(ident, e))
 }
@@ -270,6 +289,7 @@ impl Args {
         let mut sizes: [Option<Given<u32>>; 4] = [None, None, None, None];
         let mut format = Given::default(WeightFormat::Bf16);
         let mut activation = Given::default(Activation::Silu);
+        let mut bias = false;
         let mut act_dtype: Option<Given<ActDtype>> = None;
         let mut dequant: Option<Given<DequantVariant>> = None;
         let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
@@ -298,6 +318,7 @@ impl Args {
                 "dequant" => name(arg).map(|v| dequant = Some(Given::of(arg, v))),
                 "activation" => name(arg).map(|v| activation = Given::of(arg, v)),
                 "act_dtype" => name(arg).map(|v| act_dtype = Some(Given::of(arg, v))),
+                "bias" => boolean(arg).map(|v| bias = v),
                 "archs" => list(arg).map(|v| archs = v),
                 "families" => list(arg).map(|v| families = Some(v)),
                 _ => unreachable!("every key in KEYS is handled"),
@@ -365,7 +386,8 @@ impl Args {
                 // The macro takes no router argument (the default router cannot fail).
                 SpecError::Unknown { .. } | SpecError::Router { .. } => syn::Error::new(Span::call_site(), &e),
             }
-        })?;
+        })?
+        .with_bias(bias);
         let families = match families {
             Some(declared) => {
                 let mut errors = Errors::default();

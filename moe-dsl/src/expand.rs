@@ -49,16 +49,18 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         None => quote!(::core::option::Option::None),
     };
     let (hidden, intermediate, experts, top_k) = (spec.hidden(), spec.intermediate(), spec.experts(), spec.top_k());
+    let bias = spec.has_bias();
     let arch_values: Vec<_> = archs.iter().map(|a| variant("Arch", a.value)).collect();
     let family_values: Vec<_> = families.iter().map(|f| variant("KernelFamily", f.value)).collect();
 
     let dequant_doc = spec.dequant().map_or(String::new(), |d| format!(" (dequant {d})"));
     let geometry = format!(
         "hidden {hidden}, intermediate {intermediate}, {experts} experts, top-{top_k}, {} weights{dequant_doc}, {} \
-         activations, {}",
+         activations, {}{}",
         spec.weight_format(),
         spec.act_dtype(),
-        spec.activation()
+        spec.activation(),
+        if spec.has_bias() { ", biases" } else { "" }
     );
     let arch_names = archs.iter().map(|a| a.value.name()).collect::<Vec<_>>().join(", ");
     let family_names = families.iter().map(|f| f.value.name()).collect::<Vec<_>>().join(", ");
@@ -150,7 +152,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 };
                 // `SpecError` can own a `String` and consts run no destructors: forget the `Result`.
                 ::core::mem::forget(spec);
-                value
+                value.with_bias(#bias)
             };
 
             #[doc = #archs_doc]

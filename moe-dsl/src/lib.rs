@@ -61,8 +61,9 @@ mod expand;
 /// | `top_k` | integer | required |
 /// | `format` | `bf16`, `fp16`, `fp8_e4m3`, `fp8_e4m3_b128`, `mxfp8`, `int8`, `int8_g{32,64,128}`, `int4`, `int4_g{32,64,128}`, `int4_asym`, `int4_asym_g{32,64,128}`, `nvfp4`, `mxfp4` | `bf16` |
 /// | `dequant` | `lut`, `bits`, `hardware` | the format's default on each arch |
-/// | `activation` | `silu`, `gelu_tanh` | `silu` |
+/// | `activation` | `silu`, `gelu_tanh`, `swiglu_oai` (gpt-oss) | `silu` |
 /// | `act_dtype` | `bf16`, `fp16` | the format's (`fp16` for fp16 weights, else `bf16`) |
+/// | `bias` | `true`, `false`: per-expert biases on w13 and w2 (`HostWeights::w13_bias` / `w2_bias`) | `false` |
 /// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
 /// | `families` | list of `warp_decode`, `grouped_gemm` | every family the spec supports (`moe_codegen::family_supports`) |
 ///

@@ -25,8 +25,9 @@ struct SmallFp16;
 #[moe_kernel(top_k = 4, experts = 32, intermediate = 2880, hidden = 2880, act_dtype = fp16, format = fp8_e4m3,)]
 pub(crate) struct GptOss;
 
-/// gpt-oss-20b as it ships: MXFP4, the variant left to the arch's default.
-#[moe_kernel(hidden = 2880, intermediate = 2880, experts = 32, top_k = 4, format = mxfp4)]
+/// gpt-oss-20b as it ships: MXFP4 (the variant left to the arch's default), per-expert biases and
+/// the clamped SwiGLU.
+#[moe_kernel(hidden = 2880, intermediate = 2880, experts = 32, top_k = 4, format = mxfp4, activation = swiglu_oai, bias = true)]
 struct GptOssMxfp4;
 
 /// A named dequant variant (the hardware FP4 decode; on sm_90a through e4m3).
@@ -46,6 +47,11 @@ struct Qwen3Awq;
 
 #[test]
 fn spec_holds_the_declared_values() {
+    let g = GptOssMxfp4::SPEC;
+    assert!(g.has_bias() && g.activation() == Activation::SwigluOai);
+    let built = MoeSpec::builder(2880, 2880, 32, 4).weight_format(WeightFormat::Mxfp4);
+    assert_eq!(g, built.activation(Activation::SwigluOai).bias(true).build().unwrap());
+    assert!(!Qwen3Moe::SPEC.has_bias());
     let s = Qwen3Moe::SPEC;
     assert_eq!((s.hidden(), s.intermediate(), s.experts(), s.top_k()), (2048, 768, 128, 8));
     assert_eq!(s.weight_format(), WeightFormat::Bf16);

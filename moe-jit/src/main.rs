@@ -56,9 +56,12 @@ enum Cmd {
         /// Your spec's activation dtype (bf16, fp16; default: the format's).
         #[arg(long)]
         act_dtype: Option<ActDtype>,
-        /// Your spec's activation (silu, gelu_tanh; default: silu).
+        /// Your spec's activation (silu, gelu_tanh, swiglu_oai; default: silu).
         #[arg(long)]
         activation: Option<Activation>,
+        /// Your spec has per-expert biases on w13 and w2.
+        #[arg(long)]
+        bias: bool,
         /// Your spec's dequant variant (lut, bits, hardware; default: every one the format has).
         #[arg(long)]
         dequant: Option<DequantVariant>,
@@ -134,6 +137,7 @@ struct SpecArgs {
     formats: Vec<WeightFormat>,
     act_dtype: Option<ActDtype>,
     activation: Option<Activation>,
+    bias: bool,
     dequant: Option<DequantVariant>,
 }
 
@@ -165,9 +169,13 @@ struct SpecFlags {
     /// Activation dtype (bf16, fp16; default: the format's).
     #[arg(long)]
     act_dtype: Option<String>,
-    /// Activation (silu, gelu_tanh; default: silu).
+    /// Activation (silu, gelu_tanh, swiglu_oai; default: silu).
     #[arg(long)]
     activation: Option<String>,
+    /// Per-expert biases on w13 and w2.
+    #[arg(long)]
+    #[serde(default)]
+    bias: bool,
     /// Dequant variant (lut, bits, hardware; default: the format's on each arch).
     #[arg(long)]
     dequant: Option<String>,
@@ -216,7 +224,7 @@ impl SpecFlags {
         formats
             .into_iter()
             .map(|f| {
-                let mut b = MoeSpec::builder(h, i, e, k).weight_format(f);
+                let mut b = MoeSpec::builder(h, i, e, k).weight_format(f).bias(self.bias);
                 if let Some(a) = activation {
                     b = b.activation(a);
                 }
@@ -264,6 +272,7 @@ fn main() -> ExitCode {
             top_k,
             act_dtype,
             activation,
+            bias,
             dequant,
             all_geometries: _,
             jobs,
@@ -287,6 +296,7 @@ fn main() -> ExitCode {
                 formats: format,
                 act_dtype,
                 activation,
+                bias,
                 dequant,
             };
             let mut list = match check_list(&spec) {
@@ -339,8 +349,8 @@ fn check_list(args: &SpecArgs) -> Result<Vec<(&'static str, MoeSpec, KernelFamil
     const SIZES: [&str; 4] = ["--hidden", "--intermediate", "--experts", "--top-k"];
     let given: Vec<u32> = args.sizes.iter().flatten().copied().collect();
     if given.is_empty() {
-        if args.act_dtype.is_some() || args.activation.is_some() || args.dequant.is_some() {
-            return Err("--act-dtype, --activation and --dequant describe a spec of your own: give --hidden, \
+        if args.act_dtype.is_some() || args.activation.is_some() || args.dequant.is_some() || args.bias {
+            return Err("--act-dtype, --activation, --bias and --dequant describe a spec of your own: give --hidden, \
                         --intermediate, --experts and --top-k too"
                 .into());
         }
@@ -358,7 +368,7 @@ fn check_list(args: &SpecArgs) -> Result<Vec<(&'static str, MoeSpec, KernelFamil
     };
     let mut out = Vec::new();
     for f in formats {
-        let mut b = MoeSpec::builder(h, i, e, k).weight_format(f);
+        let mut b = MoeSpec::builder(h, i, e, k).weight_format(f).bias(args.bias);
         if let Some(a) = args.activation {
             b = b.activation(a);
         }

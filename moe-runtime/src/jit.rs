@@ -7,7 +7,8 @@ use crate::error::{Result, RuntimeError};
 use crate::toolkit::{toolkit, Toolkit};
 use cudarc::nvrtc::{result as nvrtc, sys};
 use moe_codegen::{
-    dequant_variants, variants, Arch, GroupLimited, KernelFamily, KernelSource, MoeSpec, Router, REFERENCE_GEOMETRIES,
+    dequant_variants, variants, Activation, Arch, GroupLimited, KernelFamily, KernelSource, MoeSpec, Router,
+    WeightFormat, REFERENCE_GEOMETRIES,
 };
 use std::ffi::CString;
 
@@ -157,7 +158,9 @@ pub fn resource_report(log: &str) -> Vec<(String, u32, u32, u32)> {
 /// - on Qwen3-30B-A3B the decode family in every dequant variant of every format instead of the
 ///   defaults ([`dequant_variants`]; a spec naming its arch's default dequant renders the same
 ///   source as one naming none, so the defaults are among them);
-/// - the group-limited (DeepSeek-V3) router in one module of each family (both render it).
+/// - the group-limited (DeepSeek-V3) router in one module of each family (both render it);
+/// - gpt-oss as it ships: MXFP4 with per-expert biases and the clamped SwiGLU (warp decode), and
+///   the clamped SwiGLU in the grouped family (bf16, no biases).
 pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
@@ -179,6 +182,10 @@ pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
         .expect("a valid spec");
     out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::GroupedGemm));
     out.push(("qwen3-30b-a3b", grouped_router, KernelFamily::WarpDecode));
+    let oai = |f| MoeSpec::builder(2880, 2880, 32, 4).weight_format(f).activation(Activation::SwigluOai);
+    let gpt_oss = oai(WeightFormat::Mxfp4).bias(true).build().expect("a valid spec");
+    out.push(("gpt-oss-20b", gpt_oss, KernelFamily::WarpDecode));
+    out.push(("gpt-oss-20b", oai(WeightFormat::Bf16).build().expect("a valid spec"), KernelFamily::GroupedGemm));
     out
 }
 

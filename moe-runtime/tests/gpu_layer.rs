@@ -117,6 +117,54 @@ fn assert_close(spec: &MoeSpec, what: &str, (family, rel, cos): (KernelFamily, f
     assert!(rel <= tol && cos >= min_cos, "{} {family} {what}: rel_l2 {rel:.3e} cos {cos:.8}", spec.id());
 }
 
+/// gpt-oss's computation: per-expert biases and the clamped SwiGLU, on the real gpt-oss-20b
+/// geometry in MXFP4 (as it ships) and bf16, at M = 1 (the bulk one-token kernels), 4, 33 and 300
+/// (several launches' worth of routing for a biased spec, which runs warp decode at every size),
+/// directly and captured; and the clamped SwiGLU alone in the grouped family. Inputs are scaled
+/// so that gate and up values pass the clamp limits.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn biases_and_swiglu_oai_match_reference() {
+    let dev = gpu();
+    let oai = |h, i, e, k, f| MoeSpec::builder(h, i, e, k).weight_format(f).activation(Activation::SwigluOai);
+    let biased = [
+        oai(2880, 2880, 32, 4, WeightFormat::Mxfp4).bias(true).build().unwrap(),
+        oai(2880, 2880, 32, 4, WeightFormat::Bf16).bias(true).build().unwrap(),
+        oai(512, 256, 16, 4, WeightFormat::Fp8E4m3).bias(true).build().unwrap(),
+    ];
+    for spec in biased {
+        assert!(!moe_codegen::family_supports(KernelFamily::GroupedGemm, &spec), "biases are warp decode's");
+        let seed = fresh_seed();
+        let mut w = random_weights(&spec, seed);
+        // Large biases push a share of the gate / up projections past the clamp at 7.
+        w.w13_bias.iter_mut().for_each(|b| *b *= 9.0);
+        let layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        // A spec without biases refuses weights that carry them, and the reverse.
+        let plain = MoeSpec::builder(spec.hidden(), spec.intermediate(), spec.experts(), spec.top_k())
+            .weight_format(spec.weight_format())
+            .build()
+            .unwrap();
+        assert!(MoeLayer::load(&dev, plain, &w).is_err(), "{}: biases on a spec without them", spec.id());
+        let bare = HostWeights { w13_bias: Vec::new(), w2_bias: Vec::new(), ..w.clone() };
+        assert!(MoeLayer::load(&dev, spec, &bare).is_err(), "{}: a biased spec without biases", spec.id());
+        for (j, m) in [1usize, 4, 33, 300].into_iter().enumerate() {
+            let how = How { family: None, graph: j % 2 == 1 };
+            let s = seed + m as u64;
+            assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
+        }
+    }
+    let spec = oai(512, 256, 16, 4, WeightFormat::Bf16).build().unwrap();
+    let seed = fresh_seed();
+    let w = random_weights(&spec, seed);
+    let layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    for family in [KernelFamily::WarpDecode, KernelFamily::GroupedGemm] {
+        for m in [1usize, 300] {
+            let how = How { family: Some(family), graph: false };
+            assert_close(&spec, &format!("m={m} seed={seed}"), check(&layer, &w, m, 0.5, seed + m as u64, how));
+        }
+    }
+}
+
 /// Every (weight format, activation dtype) pair the builder accepts, in every family the layer
 /// has, at M = 1, 20 and 300: the grouped GEMMs once read fp16 activations as bf16.
 #[test]
@@ -235,7 +283,8 @@ fn random_spec(rng: &mut SmallRng, arch: Arch) -> MoeSpec {
             format.dequant_variants().iter().copied().filter(|&v| format.dequant_on(v, arch).is_ok()).collect();
         let dequant = variants[rng.random_range(0..variants.len())];
         let act = ActDtype::ALL[rng.random_range(0..2)];
-        let activation = Activation::ALL[rng.random_range(0..2)];
+        let activation = Activation::ALL[rng.random_range(0..Activation::ALL.len())];
+        let bias = rng.random_bool(0.3);
         let experts = rng.random_range(1..=72u32);
         let top_k = rng.random_range(1..=experts.min(8));
         let hidden = 64 * rng.random_range(1..=24u32);
@@ -245,6 +294,7 @@ fn random_spec(rng: &mut SmallRng, arch: Arch) -> MoeSpec {
             .dequant(dequant)
             .act_dtype(act)
             .activation(activation)
+            .bias(bias)
             .build();
         match built {
             Ok(spec) => return spec,
