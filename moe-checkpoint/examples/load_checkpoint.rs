@@ -4,13 +4,14 @@
 //! the spec, routes `--tokens` random tokens through the checkpoint's own router and computes the
 //! layer with the f64 CPU reference. With a GPU it then runs the same step on the device (routing
 //! there too, from the router logits), checks it against the reference, and prints the kernel
-//! family the step took and the layer's latency (CUDA-graph replay). gpt-oss is mapped but not
-//! run: moeforge cannot compute its biases and clamped SwiGLU yet.
+//! family the step took and the layer's latency (CUDA-graph replay). gpt-oss runs like the others:
+//! its spec has the clamped SwiGLU (`swiglu_oai`) and per-expert biases, its router logits the
+//! router bias; a spec with biases runs warp decode at every step size.
 //!
 //! `cargo run --release -p moe-checkpoint --example load_checkpoint -- --model DIR --layer N [--tokens M]`
 
 use clap::Parser;
-use moe_checkpoint::{load_layer_parts, LayerParts, LoadedLayer};
+use moe_checkpoint::{load_layer, LoadedLayer};
 use moe_runtime::reference::{compare, moe_forward, route};
 use moe_runtime::timing::{capture, time_graph};
 use moe_runtime::{ActElem, Device, MoeLayer};
@@ -51,21 +52,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         cfg.model, cfg.layers, cfg.hidden, cfg.experts, cfg.intermediate, cfg.top_k, cfg.router, cfg.quant
     );
     let t0 = std::time::Instant::now();
-    let l = match load_layer_parts(&args.model, args.layer)? {
-        LayerParts::Layer(l) => l,
-        LayerParts::GptOss(p) => {
-            println!(
-                "layer {}: gpt-oss tensors mapped in {:.2} s into {}",
-                args.layer,
-                t0.elapsed().as_secs_f64(),
-                p.spec.id()
-            );
-            println!("not run: moeforge's spec has no expert biases nor gpt-oss's clamped SwiGLU yet (issue 31)");
-            return Ok(());
-        }
-        _ => return Err("a layer kind this example does not know".into()),
-    };
+    let l = load_layer(&args.model, args.layer)?;
     println!("layer {} loaded in {:.2} s: spec {}", args.layer, t0.elapsed().as_secs_f64(), l.spec.id());
+    if l.spec.has_bias() {
+        println!(
+            "activation {}, per-expert biases (w13_bias {} f32, w2_bias {} f32){}",
+            l.spec.activation(),
+            l.weights.w13_bias.len(),
+            l.weights.w2_bias.len(),
+            if l.router.logit_bias.is_some() { ", router logit bias" } else { "" }
+        );
+    }
     if let Some(s) = &l.shared {
         let how = if s.gate.is_some() { "weight sigmoid(gate . x)" } else { "weight 1" };
         println!("shared expert: spec {} ({how}, run as a second layer)", s.spec.id());

@@ -1,6 +1,7 @@
 //! The layer of every family with per-expert projections (Qwen3/Qwen2-MoE, OLMoE, Mixtral,
-//! DeepSeek-V3 / Kimi-K2): the tensor names of each family (as in transformers' modeling files
-//! and the published checkpoints), then the experts stacked into `w13` / `w2`.
+//! DeepSeek-V3 / Kimi-K2; gpt-oss's fused experts are `crate::gpt_oss`'s): the tensor names of
+//! each family (as in transformers' modeling files and the published checkpoints), then the
+//! experts stacked into `w13` / `w2`.
 
 use crate::config::{ModelConfig, ModelKind};
 use crate::error::Result;
@@ -53,6 +54,7 @@ fn names(model: ModelKind, layer: usize) -> Names {
             shared: None,
             shared_gate: None,
         },
+        // gpt-oss never gets here (crate::gpt_oss reads its fused experts).
         ModelKind::DeepseekV3 | ModelKind::KimiK2 | ModelKind::GptOss => Names {
             router: format!("{p}.mlp.gate.weight"),
             correction_bias: Some(format!("{p}.mlp.gate.e_score_correction_bias")),

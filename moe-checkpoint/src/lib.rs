@@ -15,11 +15,10 @@
 //! ```
 //!
 //! What loads ([`load_layer`]): Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral (bf16 / fp16, or GPTQ /
-//! AWQ int4), DeepSeek-V3 and Kimi-K2 (block FP8, or any of the above storages). Shared experts
-//! come back beside the routed layer as a one-expert layer ([`SharedExpert`]) that the caller
-//! adds. gpt-oss is mapped ([`load_layer_parts`]) but not returned as a runnable layer: the spec
-//! cannot express its biases and clamped SwiGLU yet. `docs/checkpoints.md` has the tensor names
-//! and everything refused.
+//! AWQ int4), DeepSeek-V3 and Kimi-K2 (block FP8, or any of the above storages), gpt-oss (MXFP4,
+//! or bf16 / fp16: its clamped SwiGLU `swiglu_oai`, per-expert biases and router bias). Shared
+//! experts come back beside the routed layer as a one-expert layer ([`SharedExpert`]) that the
+//! caller adds. `docs/checkpoints.md` has the tensor names and everything refused.
 //!
 //! Nothing is downloaded: fetching the snapshot is the caller's business.
 
@@ -35,7 +34,6 @@ mod store;
 
 pub use config::{ModelConfig, ModelKind, Quantization, SharedConfig};
 pub use error::{CheckpointError, Result};
-pub use gpt_oss::{GptOssParts, SWIGLU_ALPHA};
 
 use moe_codegen::MoeSpec;
 use moe_runtime::HostWeights;
@@ -51,7 +49,7 @@ pub struct RouterWeights {
     /// DeepSeek-V3 / Kimi-K2: `[E]` `e_score_correction_bias`, added to the sigmoid scores to
     /// choose experts, not to the weights (`MoeLayer::set_router_bias`, or the CPU router's bias).
     pub correction_bias: Option<Vec<f32>>,
-    /// gpt-oss: `[E]` bias added to the logits.
+    /// gpt-oss: `[E]` bias added to the logits (by [`RouterWeights::logits`]).
     pub logit_bias: Option<Vec<f32>>,
 }
 
@@ -93,24 +91,16 @@ pub struct LoadedLayer {
     pub model: ModelKind,
     /// The layer index.
     pub layer: usize,
-    /// Geometry, format (the checkpoint's, mapped exactly) and router (the model's formula).
+    /// Geometry, format (the checkpoint's, mapped exactly), activation, biases (gpt-oss) and
+    /// router (the model's formula).
     pub spec: MoeSpec,
-    /// The routed experts: `w13 [E, 2I, H]` gate rows first, `w2 [E, H, I]`.
+    /// The routed experts: `w13 [E, 2I, H]` gate rows first, `w2 [E, H, I]`; gpt-oss: with
+    /// `w13_bias [E, 2I]` (gate first) and `w2_bias [E, H]`.
     pub weights: HostWeights,
     /// The router's weights.
     pub router: RouterWeights,
     /// The shared expert, where the model has one: its output must be added (see [`SharedExpert`]).
     pub shared: Option<SharedExpert>,
-}
-
-/// Either a runnable layer or gpt-oss's mapped tensors.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum LayerParts {
-    /// A layer moeforge computes as the model does (plus its shared expert, if any).
-    Layer(LoadedLayer),
-    /// gpt-oss: the tensors mapped into moeforge's layout, biases and activation constants beside.
-    GptOss(GptOssParts),
 }
 
 /// The model's `config.json`, parsed and checked (nothing else is read).
@@ -120,32 +110,15 @@ pub fn inspect(dir: &Path) -> Result<ModelConfig> {
 
 /// Layer `layer` of the checkpoint in `dir`, ready for `MoeLayer::load(&device, l.spec, &l.weights)`.
 ///
-/// gpt-oss is refused with [`CheckpointError::Unsupported`]: moeforge cannot yet compute its biases
-/// and clamped SwiGLU, and a layer without them computes something else. Its mapped tensors are
-/// available from [`load_layer_parts`].
+/// gpt-oss comes back with `Activation::SwigluOai`, per-expert biases (`spec.has_bias()`) and
+/// its router bias in [`RouterWeights::logit_bias`]; on the GPU a spec with biases runs warp
+/// decode at every step size.
 pub fn load_layer(dir: &Path, layer: usize) -> Result<LoadedLayer> {
-    let cfg = ModelConfig::read(dir)?;
-    cfg.check_layer(layer)?;
-    if cfg.model == ModelKind::GptOss {
-        return Err(CheckpointError::Unsupported {
-            model: cfg.model.to_string(),
-            feature: "a runnable layer: moeforge's spec has no per-expert biases nor gpt-oss's clamped SwiGLU yet \
-                      (load_layer_parts gives the mapped tensors)"
-                .into(),
-        });
-    }
-    let store = store::Store::open(dir)?;
-    layer::load(&store, &cfg, layer)
-}
-
-/// Layer `layer` as [`load_layer`] gives it, or for gpt-oss its tensors mapped into moeforge's
-/// layout ([`GptOssParts`]) for a caller that computes the biases and activation itself.
-pub fn load_layer_parts(dir: &Path, layer: usize) -> Result<LayerParts> {
     let cfg = ModelConfig::read(dir)?;
     cfg.check_layer(layer)?;
     let store = store::Store::open(dir)?;
     match cfg.model {
-        ModelKind::GptOss => Ok(LayerParts::GptOss(gpt_oss::load(&store, &cfg, layer)?)),
-        _ => Ok(LayerParts::Layer(layer::load(&store, &cfg, layer)?)),
+        ModelKind::GptOss => gpt_oss::load(&store, &cfg, layer),
+        _ => layer::load(&store, &cfg, layer),
     }
 }

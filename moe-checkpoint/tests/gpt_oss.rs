@@ -1,114 +1,130 @@
-//! gpt-oss: MXFP4 blocks and scales mapped into moeforge's `mxfp4` layout (gate/up
-//! de-interleaved, nibble order and E8M0 scales kept), biases kept beside, and `load_layer`
-//! refusing the layer (the spec cannot compute its biases and clamped SwiGLU yet).
+//! gpt-oss loads as a runnable layer: MXFP4 blocks and scales mapped into moeforge's `mxfp4`
+//! layout (gate/up de-interleaved, nibble order and E8M0 scales kept) or bf16 parameters
+//! transposed, the biases de-interleaved beside, `Activation::SwigluOai`, and the router with its
+//! bias. The loaded layer (moe-runtime's f64 reference) must compute `GptOssMLP`'s formula,
+//! written independently in `common::gpt_oss`, clamps included.
 
 mod common;
 
+use common::gpt_oss::*;
+use common::model::LAYER;
 use common::*;
-use moe_checkpoint::{load_layer, load_layer_parts, CheckpointError, LayerParts};
-use moe_codegen::WeightFormat;
+use moe_checkpoint::{load_layer, CheckpointError, LoadedLayer, ModelKind};
+use moe_codegen::{Activation, Router, WeightFormat};
 use safetensors::Dtype;
 use serde_json::json;
 
-const H: usize = 256;
-const I: usize = 128;
-const E: usize = 4;
-
-/// A gpt-oss checkpoint (layer 1 written) from random weights, MXFP4-packed here.
-fn gpt_oss() -> Ckpt {
-    let cfg = json!({
-        "model_type": "gpt_oss", "num_hidden_layers": 2, "hidden_size": H, "intermediate_size": I,
-        "num_local_experts": E, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
-        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]}
-    });
-    let mut ck = Ckpt::new(cfg);
-    let mut r = rng(11);
-    let p = "model.layers.1.mlp";
-    let gu = uniform(&mut r, E * 2 * I * H, 0.2);
-    let (b, s) = mxfp4(&gu, E * 2 * I, H);
-    ck.add(format!("{p}.experts.gate_up_proj_blocks"), Dtype::U8, &[E, 2 * I, H / 32, 16], b);
-    ck.add(format!("{p}.experts.gate_up_proj_scales"), Dtype::U8, &[E, 2 * I, H / 32], s);
-    ck.bf16(format!("{p}.experts.gate_up_proj_bias"), &[E, 2 * I], &uniform(&mut r, E * 2 * I, 1.0));
-    let dn = uniform(&mut r, E * H * I, 0.2);
-    let (b, s) = mxfp4(&dn, E * H, I);
-    ck.add(format!("{p}.experts.down_proj_blocks"), Dtype::U8, &[E, H, I / 32, 16], b);
-    ck.add(format!("{p}.experts.down_proj_scales"), Dtype::U8, &[E, H, I / 32], s);
-    ck.bf16(format!("{p}.experts.down_proj_bias"), &[E, H], &uniform(&mut r, E * H, 1.0));
-    ck.bf16(format!("{p}.router.weight"), &[E, H], &uniform(&mut r, E * H, 0.1));
-    ck.bf16(format!("{p}.router.bias"), &[E], &uniform(&mut r, E, 0.1));
-    ck
-}
-
-/// Row `row` of a `[rows, k/32, 16]` blocks tensor dequantized as transformers'
-/// `convert_moe_packed_tensors` does: low nibble first, `lut[code] * 2^(scale - 127)`.
-fn file_row(ck: &Ckpt, name: &str, row: usize, k: usize) -> Vec<f64> {
-    let (b, s) = (ck.bytes(&format!("{name}_blocks")), ck.bytes(&format!("{name}_scales")));
-    let mut out = Vec::with_capacity(k);
-    for blk in 0..k / 32 {
-        let x = 2f64.powi(s[row * k / 32 + blk] as i32 - 127);
-        for j in 0..16 {
-            let byte = b[(row * k / 32 + blk) * 16 + j];
-            out.push(E2M1[(byte & 15) as usize] * x);
-            out.push(E2M1[(byte >> 4) as usize] * x);
-        }
-    }
-    out
-}
-
-#[test]
-fn load_layer_refuses_gpt_oss_with_a_typed_error() {
+/// Write `m` in `shards` files, load its layer and compare on 16 random tokens.
+fn check(m: &GptOss, shards: usize, format: WeightFormat) -> LoadedLayer {
     let dir = tempfile::tempdir().unwrap();
-    gpt_oss().write(dir.path(), 1);
-    match load_layer(dir.path(), 1) {
-        Err(CheckpointError::Unsupported { model, feature }) => {
-            assert_eq!(model, "gpt_oss");
-            assert!(feature.contains("bias") && feature.contains("SwiGLU"), "{feature}");
-        }
-        other => panic!("expected Unsupported, got {other:?}"),
-    }
-}
-
-#[test]
-fn gpt_oss_parts_deinterleave_gate_up_and_keep_nibbles_scales_biases() {
-    let dir = tempfile::tempdir().unwrap();
-    let ck = gpt_oss();
-    ck.write(dir.path(), 2);
-    let LayerParts::GptOss(p) = load_layer_parts(dir.path(), 1).unwrap() else { panic!("not gpt-oss parts") };
-    assert_eq!(p.spec.weight_format(), WeightFormat::Mxfp4);
+    m.ck.write(dir.path(), shards);
+    let l = load_layer(dir.path(), LAYER).unwrap_or_else(|e| panic!("gpt-oss {format}: {e}"));
+    assert_eq!((l.model, l.layer), (ModelKind::GptOss, LAYER));
+    assert_eq!(l.spec.weight_format(), format);
+    assert_eq!(l.spec.activation(), Activation::SwigluOai);
+    assert!(l.spec.has_bias());
+    // Top-k of the logits then softmax over them = softmax, top-k, renormalised.
+    assert_eq!(l.spec.router(), Router::Softmax { renormalize: true });
     assert_eq!(
-        (p.spec.hidden(), p.spec.intermediate(), p.spec.experts(), p.spec.top_k()),
-        (H as u32, I as u32, E as u32, 2)
+        (l.spec.hidden() as usize, l.spec.intermediate() as usize, l.spec.experts() as usize, l.spec.top_k() as usize),
+        (m.h, m.i, m.e, m.k)
     );
-    assert_eq!((p.swiglu_alpha, p.swiglu_limit), (1.702, 7.0));
-    p.weights.validate(&p.spec).unwrap();
+    assert!(l.shared.is_none() && l.router.correction_bias.is_none());
+    assert_eq!(l.weights.validate(&l.spec).map_err(|e| e.to_string()), Ok(()));
+    let x = tokens(&mut rng(99), 16, m.h);
+    let (got, ids) = loaded_output(&l, &x);
+    let (want, chosen, clamps) = m.reference(&x);
+    println!("{format}: {clamps:?}");
+    // The clamps are exercised: gate above 7, up past both limits, and most neurons unclamped.
+    assert!(clamps.gate_above > 0 && clamps.up_above > 0 && clamps.up_below > 0, "{clamps:?}");
+    assert!(clamps.gate_above + clamps.up_above + clamps.up_below < clamps.neurons / 2, "{clamps:?}");
+    for (t, c) in chosen.iter().enumerate() {
+        let mut a: Vec<usize> = ids[t * m.k..(t + 1) * m.k].iter().map(|&v| v as usize).collect();
+        let mut b = c.clone();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{format} token {t}: chosen experts");
+    }
+    let rel = rel_l2(&got, &want);
+    println!("gpt-oss {format}: rel_l2 {rel:.2e}");
+    assert!(rel <= 1e-5, "gpt-oss {format}: rel_l2 {rel:e}");
+    l
+}
+
+#[test]
+fn gpt_oss_mxfp4_layer_computes_the_model_formula() {
+    check(&gpt_oss(OssStore::Mxfp4, 8, 2, 11), 2, WeightFormat::Mxfp4);
+}
+
+#[test]
+fn gpt_oss_mxfp4_top4_of_16_single_file() {
+    check(&gpt_oss(OssStore::Mxfp4, 16, 4, 12), 1, WeightFormat::Mxfp4);
+}
+
+#[test]
+fn gpt_oss_bf16_layer_computes_the_model_formula() {
+    check(&gpt_oss(OssStore::Bf16, 8, 2, 13), 3, WeightFormat::Bf16);
+}
+
+#[test]
+fn gpt_oss_deinterleaves_gate_up_and_keeps_nibbles_scales_biases() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = gpt_oss(OssStore::Mxfp4, 4, 2, 14);
+    let (e, h, i) = (m.e, m.h, m.i);
+    m.ck.write(dir.path(), 2);
+    let l = load_layer(dir.path(), LAYER).unwrap();
     let pre = "model.layers.1.mlp.experts";
-    let gu_bias = ck.floats(&format!("{pre}.gate_up_proj_bias"));
-    for e in 0..E {
-        for r in 0..2 * I {
+    for ex in 0..e {
+        for r in 0..2 * i {
             // gpt-oss: gate = gate_up[..., ::2], up = gate_up[..., 1::2].
-            let src = if r < I { 2 * r } else { 2 * (r - I) + 1 };
-            let want = file_row(&ck, &format!("{pre}.gate_up_proj"), e * 2 * I + src, H);
-            let got: Vec<f64> = p.weights.w13_row(&p.spec, e, r).iter().map(|&v| v as f64).collect();
-            assert_eq!(got, want, "expert {e} w13 row {r}");
-            assert_eq!(p.w13_bias[e * 2 * I + r] as f64, gu_bias[e * 2 * I + src]);
+            let src = if r < i { 2 * r } else { 2 * (r - i) + 1 };
+            let want = mxfp4_row(&m.ck, &format!("{pre}.gate_up_proj"), ex * 2 * i + src, h);
+            let got: Vec<f64> = l.weights.w13_row(&l.spec, ex, r).iter().map(|&v| v as f64).collect();
+            assert_eq!(got, want, "expert {ex} w13 row {r}");
+            assert_eq!(l.weights.w13_bias[ex * 2 * i + r] as f64, m.gate_up_bias[ex * 2 * i + src]);
         }
-        for r in 0..H {
-            let want = file_row(&ck, &format!("{pre}.down_proj"), e * H + r, I);
-            let got: Vec<f64> = p.weights.w2_row(&p.spec, e, r).iter().map(|&v| v as f64).collect();
-            assert_eq!(got, want, "expert {e} w2 row {r}");
+        for r in 0..h {
+            let want = mxfp4_row(&m.ck, &format!("{pre}.down_proj"), ex * h + r, i);
+            let got: Vec<f64> = l.weights.w2_row(&l.spec, ex, r).iter().map(|&v| v as f64).collect();
+            assert_eq!(got, want, "expert {ex} w2 row {r}");
         }
     }
-    let b: Vec<f32> = ck.floats(&format!("{pre}.down_proj_bias")).iter().map(|&v| v as f32).collect();
-    assert_eq!(p.w2_bias, b);
-    let rb: Vec<f32> = ck.floats("model.layers.1.mlp.router.bias").iter().map(|&v| v as f32).collect();
-    assert_eq!(p.router.logit_bias.as_deref(), Some(&rb[..]));
+    let b: Vec<f32> = m.down_bias.iter().map(|&v| v as f32).collect();
+    assert_eq!(l.weights.w2_bias, b);
+    let rb: Vec<f32> = m.router_bias.iter().map(|&v| v as f32).collect();
+    assert_eq!(l.router.logit_bias.as_deref(), Some(&rb[..]));
     // The logits include the router bias.
-    let x = tokens(&mut rng(3), 1, H);
-    let gate = ck.floats("model.layers.1.mlp.router.weight");
-    let l = p.router.logits(&x);
-    for j in 0..E {
-        let want: f64 = gate[j * H..(j + 1) * H].iter().zip(&x).map(|(a, &b)| a * b as f64).sum::<f64>() + rb[j] as f64;
-        assert!((l[j] as f64 - want).abs() < 1e-5);
+    let x = tokens(&mut rng(3), 1, h);
+    let lg = l.router.logits(&x);
+    for j in 0..e {
+        let want: f64 =
+            m.router[j * h..(j + 1) * h].iter().zip(&x).map(|(a, &b)| a * b as f64).sum::<f64>() + rb[j] as f64;
+        assert!((lg[j] as f64 - want).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn gpt_oss_bf16_transposes_and_deinterleaves_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = gpt_oss(OssStore::Bf16, 4, 2, 15);
+    let (e, h, i) = (m.e, m.h, m.i);
+    m.ck.write(dir.path(), 1);
+    let l = load_layer(dir.path(), LAYER).unwrap();
+    // HF's gate_up_proj [E, H, 2I]: moeforge's w13 row r is its column 2r (gate) / 2(r - I) + 1.
+    let gu = m.ck.floats("model.layers.1.mlp.experts.gate_up_proj");
+    let dn = m.ck.floats("model.layers.1.mlp.experts.down_proj");
+    for ex in 0..e {
+        for r in 0..2 * i {
+            let src = if r < i { 2 * r } else { 2 * (r - i) + 1 };
+            let want: Vec<f64> = (0..h).map(|c| gu[(ex * h + c) * 2 * i + src]).collect();
+            let got: Vec<f64> = l.weights.w13_row(&l.spec, ex, r).iter().map(|&v| v as f64).collect();
+            assert_eq!(got, want, "expert {ex} w13 row {r}");
+        }
+        for r in 0..h {
+            let want: Vec<f64> = (0..i).map(|c| dn[(ex * i + c) * h + r]).collect();
+            let got: Vec<f64> = l.weights.w2_row(&l.spec, ex, r).iter().map(|&v| v as f64).collect();
+            assert_eq!(got, want, "expert {ex} w2 row {r}");
+        }
     }
 }
 
@@ -116,23 +132,57 @@ fn gpt_oss_parts_deinterleave_gate_up_and_keep_nibbles_scales_biases() {
 fn gpt_oss_nibble_order_and_scale_bias_by_hand() {
     // Expert 0's first gate row: byte 0 = 0x1f (element 0 = code 0xf = -6, element 1 = code 1 =
     // 0.5), scale 128 (x2); its first up row (file row 1) is all code 2 (1.0) at scale 126 (x0.5).
-    let mut ck = gpt_oss();
+    let mut ck = gpt_oss(OssStore::Mxfp4, 4, 2, 16).ck;
+    let (e, h, i) = (4, 256, 128);
     let name = "model.layers.1.mlp.experts.gate_up_proj";
     let mut b = ck.bytes(&format!("{name}_blocks")).to_vec();
     let mut s = ck.bytes(&format!("{name}_scales")).to_vec();
     b[0] = 0x1f;
     s[0] = 128;
-    let row1 = H / 32 * 16;
+    let row1 = h / 32 * 16;
     b[row1..2 * row1].fill(0x22);
-    s[H / 32..2 * (H / 32)].fill(126);
+    s[h / 32..2 * (h / 32)].fill(126);
     ck.remove(&format!("{name}_blocks"));
     ck.remove(&format!("{name}_scales"));
-    ck.add(format!("{name}_blocks"), Dtype::U8, &[E, 2 * I, H / 32, 16], b);
-    ck.add(format!("{name}_scales"), Dtype::U8, &[E, 2 * I, H / 32], s);
+    ck.add(format!("{name}_blocks"), Dtype::U8, &[e, 2 * i, h / 32, 16], b);
+    ck.add(format!("{name}_scales"), Dtype::U8, &[e, 2 * i, h / 32], s);
     let dir = tempfile::tempdir().unwrap();
     ck.write(dir.path(), 1);
-    let LayerParts::GptOss(p) = load_layer_parts(dir.path(), 1).unwrap() else { panic!() };
-    let gate0 = p.weights.w13_row(&p.spec, 0, 0);
+    let l = load_layer(dir.path(), 1).unwrap();
+    let gate0 = l.weights.w13_row(&l.spec, 0, 0);
     assert_eq!((gate0[0], gate0[1]), (-12.0, 1.0));
-    assert!(p.weights.w13_row(&p.spec, 0, I).iter().all(|&v| v == 0.5));
+    assert!(l.weights.w13_row(&l.spec, 0, i).iter().all(|&v| v == 0.5));
+}
+
+#[test]
+fn gpt_oss_other_limits_and_storages_are_refused() {
+    let unsupported = |ck: &Ckpt| {
+        let dir = tempfile::tempdir().unwrap();
+        ck.write(dir.path(), 1);
+        match load_layer(dir.path(), LAYER) {
+            Err(CheckpointError::Unsupported { model, feature }) => {
+                assert_eq!(model, "gpt_oss");
+                feature
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    };
+    // moeforge's swiglu_oai clamps at 7.
+    let mut ck = gpt_oss(OssStore::Mxfp4, 4, 2, 17).ck;
+    ck.config["swiglu_limit"] = json!(5.0);
+    assert!(unsupported(&ck).contains("swiglu_limit 5"));
+    let mut ck = gpt_oss(OssStore::Bf16, 4, 2, 18).ck;
+    ck.config["quantization_config"] = json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true});
+    assert!(unsupported(&ck).contains("Gptq"));
+    // A bf16 gpt-oss whose fused experts are f32: a typed dtype error naming the tensor.
+    let mut ck = gpt_oss(OssStore::Bf16, 4, 2, 19).ck;
+    let name = "model.layers.1.mlp.experts.down_proj";
+    ck.remove(name);
+    ck.f32(name, &[4, 128, 256], &vec![0.0; 4 * 128 * 256]);
+    let dir = tempfile::tempdir().unwrap();
+    ck.write(dir.path(), 1);
+    match load_layer(dir.path(), LAYER) {
+        Err(CheckpointError::Dtype { tensor, .. }) => assert_eq!(tensor, name),
+        other => panic!("expected Dtype, got {other:?}"),
+    }
 }

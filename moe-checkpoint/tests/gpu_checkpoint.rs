@@ -1,15 +1,19 @@
 //! Loaded checkpoints on a real GPU: `MoeLayer::load` of each family's loaded layer (and its
 //! shared expert as a second one-expert layer), routed on the device from the loaded router's
 //! logits (`forward_logits`, DeepSeek's correction bias set), against the f64 model formula on
-//! the written tensors. Ignored without a GPU; fails (never passes) when none is found.
+//! the written tensors. gpt-oss (MXFP4 and bf16: clamped SwiGLU, per-expert biases, router bias)
+//! runs at M = 1, 8 and 40, warp decode at every step size (a spec with biases).
+//! Ignored without a GPU; fails (never passes) when none is found.
 //!
 //! `cargo test --release -p moe-checkpoint --test gpu_checkpoint -- --ignored --nocapture`
 
 mod common;
 
+use common::gpt_oss::{gpt_oss, OssStore};
 use common::model::*;
 use common::*;
 use moe_checkpoint::{load_layer, LoadedLayer, ModelKind};
+use moe_codegen::KernelFamily;
 use moe_runtime::{Device, MoeLayer};
 
 fn gpu() -> Device {
@@ -80,6 +84,35 @@ fn loaded_checkpoints_run_on_the_gpu() {
             println!("{kind:?} {} m={tokens_m} {family}: rel_l2 {rel:.2e}", l.spec.weight_format());
             // bf16 output rounding and f32 sums on the device (the decode family's tolerance).
             assert!(rel < 1e-2, "{kind:?} m={tokens_m}: rel_l2 {rel:e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpt_oss_checkpoints_run_on_the_gpu() {
+    let dev = gpu();
+    for (n, (store, e, k)) in
+        [(OssStore::Mxfp4, 8, 2), (OssStore::Bf16, 8, 2), (OssStore::Mxfp4, 32, 4)].into_iter().enumerate()
+    {
+        let m = gpt_oss(store, e, k, 200 + n as u64);
+        let dir = tempfile::tempdir().unwrap();
+        m.ck.write(dir.path(), 2);
+        let l = load_layer(dir.path(), LAYER).unwrap();
+        assert!(l.spec.has_bias());
+        for tokens_m in [1usize, 8, 40] {
+            let x = tokens(&mut rng(17 + tokens_m as u64), tokens_m, m.h);
+            let (got, family) = step(&dev, &l, &x);
+            // The grouped family refuses biases: warp decode serves every step size.
+            assert_eq!(family, KernelFamily::WarpDecode, "{store:?} m={tokens_m}");
+            let got: Vec<f64> = got.into_iter().map(|v| v as f64).collect();
+            let (want, _, clamps) = m.reference(&x);
+            let rel = rel_l2(&got, &want);
+            println!(
+                "gpt-oss {} e={e} k={k} m={tokens_m} {family}: rel_l2 {rel:.2e} ({clamps:?})",
+                l.spec.weight_format()
+            );
+            assert!(rel < 1e-2, "gpt-oss {store:?} e={e} m={tokens_m}: rel_l2 {rel:e}");
         }
     }
 }

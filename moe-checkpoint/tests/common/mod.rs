@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod gpt_oss;
 pub mod model;
 
 use rand::rngs::SmallRng;
