@@ -193,9 +193,6 @@ pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
             spec.act_dtype()
         ));
     }
-    if spec.activation() != Activation::Silu && spec.activation() != Activation::GeluTanh {
-        return Err(format!("activation {}", spec.activation()));
-    }
     let (h, i) = (spec.hidden(), spec.intermediate());
     if h * elem % BK_BYTES != 0 || i * elem % BK_BYTES != 0 {
         return Err(format!("hidden = {h} and intermediate = {i} must hold whole {BK_BYTES}-byte k-tiles"));
