@@ -176,10 +176,6 @@ impl GemmTiles {
 /// Why a spec cannot use the grouped family, if it cannot.
 pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
     let f = spec.weight_format();
-    if spec.has_bias() {
-        // Warp decode serves every step size of such a layer.
-        return Err("per-expert biases (not yet in the GEMM epilogues)".into());
-    }
     let elem = match f {
         WeightFormat::Bf16 | WeightFormat::Fp16 => 2,
         WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128 => 1,
@@ -227,6 +223,8 @@ struct GroupedGemmCu {
     experts: u32,
     top_k: u32,
     activation: Activation,
+    /// Per-expert biases ([`MoeSpec::has_bias`]).
+    bias: bool,
     bm: u32,
     bn1: u32,
     bn2: u32,
@@ -360,6 +358,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         experts: spec.experts(),
         top_k: spec.top_k(),
         activation: spec.activation(),
+        bias: spec.has_bias(),
         bm: tiles.bm,
         bn1: tiles.bn1,
         bn2: tiles.bn2,

@@ -187,6 +187,7 @@ kernel_params! {
         num_tiles: u64 = "const int* __restrict__",
         w13: u64 = "const void* __restrict__",
         w13_scales: u64 = "const float* __restrict__",
+        w13_bias: u64 = "const float* __restrict__",
         mid: u64 = "act_t* __restrict__",
         mid_scales: u64 = "float* __restrict__",
         work_counter: u64 = "int* __restrict__",
@@ -212,13 +213,18 @@ kernel_params! {
     CombineRowsParams {
         rows: u64 = "const act_t* __restrict__",
         pair_pos: u64 = "const int* __restrict__",
+        topk_ids: u64 = "const int* __restrict__",
         topk_weights: u64 = "const float* __restrict__",
+        w2_bias: u64 = "const float* __restrict__",
         m: i32 = "int",
         y: u64 = "act_t* __restrict__",
     }
     /// `moe_convert`: the atomic combine's f32 rows to y.
     ConvertParams {
         y32: u64 = "const float* __restrict__",
+        topk_ids: u64 = "const int* __restrict__",
+        topk_weights: u64 = "const float* __restrict__",
+        w2_bias: u64 = "const float* __restrict__",
         m: i32 = "int",
         y: u64 = "act_t* __restrict__",
     }
@@ -272,7 +278,7 @@ mod tests {
         let d = Gemm1Params::c_decl();
         assert!(d.contains("    TmaMap b_map;\n"), "{d}");
         assert!(d.contains(" const TmaMap& b_map = p.b_map;"), "{d}");
-        // 11 pointers, then the map at the next 64-byte boundary.
+        // 12 pointers, then the map at the next 64-byte boundary.
         assert_eq!(std::mem::offset_of!(Gemm1Params, b_map), 128);
         assert_eq!(std::mem::size_of::<Gemm1Params>(), 256);
     }

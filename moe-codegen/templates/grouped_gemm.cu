@@ -14,6 +14,10 @@ constexpr int HIDDEN = {{ hidden }};
 constexpr int INTER = {{ intermediate }};
 constexpr int EXPERTS = {{ experts }};
 constexpr int TOP_K = {{ top_k }};
+// Per-expert biases (f32): w13_bias [E, 2I] added to GEMM1's gate / up columns before the
+// activation; w2_bias [E, H] added by the combine (moe_combine_rows / moe_convert) under each
+// pair's routing weight, since sum_s w_s (W2_e mid + b_e) = GEMM2's sum + sum_s w_s b_e.
+constexpr bool HAS_BIAS = {{ bias }};
 constexpr int BM = {{ bm }};           // rows (token, slot pairs) per tile
 constexpr int BN1 = {{ bn1 }};         // GEMM1 columns per tile: BN1 / 2 gate and BN1 / 2 up rows
 constexpr int BN2 = {{ bn2 }};         // GEMM2 columns (hidden outputs) per tile
@@ -259,13 +263,19 @@ __device__ __forceinline__ int2 tile_counts(const int* __restrict__ num_tiles) {
 
 // SwiGLU of one thread's pair of adjacent neurons n, n + 1 in row `row` of mid.
 __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int n, int e, const float* g, const float* u,
-                                          const float* __restrict__ w13_scales) {
+                                          const float* __restrict__ w13_scales, const float* __restrict__ w13_bias) {
     float sg0 = 1.f, sg1 = 1.f, su0 = 1.f, su1 = 1.f;
     if (WSCALE == 1) {
         const float* s = w13_scales + (long)e * 2 * INTER;
         sg0 = s[n], sg1 = s[n + 1], su0 = s[INTER + n], su1 = s[INTER + n + 1];
     }
-    store_pair(mid + (long)row * INTER + n, moe_glu(g[0] * sg0, u[0] * su0), moe_glu(g[1] * sg1, u[1] * su1));
+    float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
+    if constexpr (HAS_BIAS) {
+        const float* b = w13_bias + (long)e * 2 * INTER;
+        bg0 = b[n], bg1 = b[n + 1], bu0 = b[INTER + n], bu1 = b[INTER + n + 1];
+    }
+    store_pair(mid + (long)row * INTER + n, moe_glu(g[0] * sg0 + bg0, u[0] * su0 + bu0),
+               moe_glu(g[1] * sg1 + bg1, u[1] * su1 + bu1));
 }
 
 // A consumer thread's per-channel scales (cols, WSCALE 1) of its columns 8 q + 2 (lane % 4) + 0, 1
@@ -290,13 +300,22 @@ __device__ __forceinline__ ThreadCols<N> thread_cols(const float* cols, int lane
 // The SwiGLU of a thread's neurons n, n + 1 of the tile's gate columns (gate in fragment q, up
 // in q + NQ) in row h, rounded to act_t; g and u: the gate and up column scales (col_scale), xs
 // the row's activation scale (X_PER_ROW).
-// FTZ: through moe_glu_ftz (the same values).
+// FTZ: through moe_glu_ftz (the same values). bcol: the biases of the tile's gate neurons (its
+// up neurons' INTER further), read where HAS_BIAS.
 template <int NQ, bool FTZ = false>
-__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, float2 g, float2 u, float xs) {
+__device__ __forceinline__ float2 swiglu_pair(const float* acc, int q, int h, float2 g, float2 u, float xs,
+                                              const float* __restrict__ bcol) {
     const float2 sg = make_float2(g.x * xs, g.y * xs), su = make_float2(u.x * xs, u.y * xs);
+    float2 bg = make_float2(0.f, 0.f), bu = bg;
+    if constexpr (HAS_BIAS) {
+        const int c = 8 * q + 2 * (threadIdx.x % 4);  // the columns of col_scale(cols, lane, q)
+        bg = __ldg(reinterpret_cast<const float2*>(bcol + c));
+        bu = __ldg(reinterpret_cast<const float2*>(bcol + INTER + c));
+    }
     auto glu = [](float gv, float uv) { return FTZ ? moe_glu_ftz(gv, uv) : moe_glu(gv, uv); };
-    return make_float2((float)(act_t)(glu(acc[q * 4 + 2 * h] * sg.x, acc[(q + NQ) * 4 + 2 * h] * su.x)),
-                       (float)(act_t)(glu(acc[q * 4 + 2 * h + 1] * sg.y, acc[(q + NQ) * 4 + 2 * h + 1] * su.y)));
+    return make_float2((float)(act_t)(glu(acc[q * 4 + 2 * h] * sg.x + bg.x, acc[(q + NQ) * 4 + 2 * h] * su.x + bu.x)),
+                       (float)(act_t)(glu(acc[q * 4 + 2 * h + 1] * sg.y + bg.y,
+                                          acc[(q + NQ) * 4 + 2 * h + 1] * su.y + bu.y)));
 }
 
 // Row r of a warp's 16 (lane / 4 + 8 h) from the lane that holds it: that lane's value x[h].
@@ -419,6 +438,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
     auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
         constexpr int NQ = S::NF / 2;
         if constexpr (WSCALE == 1) cols_ready();
+        const float* bcol = w13_bias + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
         if constexpr (MID_FP8) {
             // Both rows' activations first, each column's scales loaded once (ahead of the
             // staging stores) and the accumulator consumed as they fill.
@@ -428,7 +448,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 const float2 sg = col_scale(cols, lane, q), su = col_scale(cols, lane, q + NQ);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float2 g = swiglu_pair<NQ, true>(acc, q, h, sg, su, ep.xs[h]);
+                    const float2 g = swiglu_pair<NQ, true>(acc, q, h, sg, su, ep.xs[h], bcol);
                     vh[h][q][0] = g.x, vh[h][q][1] = g.y;
                 }
             }
@@ -469,7 +489,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         } else {
             const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
             store_warp_rows<NQ>(
-                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, sc.v[q], sc.v[q + NQ], ep.xs[h]); },
+                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, sc.v[q], sc.v[q + NQ], ep.xs[h], bcol); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0 ? nullptr
                                                        : mid + (long)(it.tile * BM + row0 + r) * INTER + it.nblk * (BN1 / 2);
@@ -496,14 +516,20 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
             sg = make_float2(cols[nl], cols[nl + 8]);
             su = make_float2(cols[BN1 / 2 + nl], cols[BN1 / 2 + nl + 8]);
         }
+        float2 bg = make_float2(0.f, 0.f), bu = bg;
+        if constexpr (HAS_BIAS) {
+            const float* bcol = w13_bias + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
+            bg = make_float2(__ldg(bcol + nl), __ldg(bcol + nl + 8));
+            bu = make_float2(__ldg(bcol + INTER + nl), __ldg(bcol + INTER + nl + 8));
+        }
 #pragma unroll
         for (int k = 0; k < EK; ++k) {
             const int r = 8 * (k / 2) + 2 * (lane % 4) + k % 2;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int i = 2 * j + k % 2, nf = k / 2;  // the accumulator element of (row k, neuron j)
-                const float g = eacc[nf * 4 + i] * (j ? sg.y : sg.x) * xs[k];
-                const float u = eacc[TAIL / 2 + nf * 4 + i] * (j ? su.y : su.x) * xs[k];
+                const float g = eacc[nf * 4 + i] * (j ? sg.y : sg.x) * xs[k] + (j ? bg.y : bg.x);
+                const float u = eacc[TAIL / 2 + nf * 4 + i] * (j ? su.y : su.x) * xs[k] + (j ? bu.y : bu.x);
                 const act_t v = (act_t)moe_glu(g, u);
                 asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * (BN1 / 2) + nl + 8 * j) * 2),
                              "h"(*reinterpret_cast<const unsigned short*>(&v))
@@ -710,7 +736,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 for (int q = 0; q < T::NF / 2; ++q)
                     store_mid(mid, row, nb + col0 / 2 + 8 * q + 2 * (threadIdx.x % 4), e,
                               acc + (mf * T::NF + 2 * q) * 4 + 2 * h, acc + (mf * T::NF + 2 * q + 1) * 4 + 2 * h,
-                              w13_scales);
+                              w13_scales, w13_bias);
             }
     }
 }
@@ -821,6 +847,13 @@ moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
             const act_t* e = reinterpret_cast<const act_t*>(&v);
 #pragma unroll
             for (int j = 0; j < 8; ++j) sum[j] += w * (float)e[j];
+            if constexpr (HAS_BIAS) {
+                const float* b = w2_bias + (long)topk_ids[t * TOP_K + s] * HIDDEN + c;
+                const float4 b0 = __ldg(reinterpret_cast<const float4*>(b)), b1 = __ldg(reinterpret_cast<const float4*>(b + 4));
+                const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += w * bv[j];
+            }
         }
         act_t out[8];
 #pragma unroll
@@ -837,7 +870,17 @@ moe_convert(const __grid_constant__ ConvertParams params) {
     MOE_UNPACK_ConvertParams(params);
     pdl_wait();  // a programmatic dependent of GEMM2
     const long n = (long)m * HIDDEN;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        y[i] = (act_t)y32[i];
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float v = y32[i];
+        if constexpr (HAS_BIAS) {
+            const long t = i / HIDDEN, c = i % HIDDEN;
+#pragma unroll
+            for (int s = 0; s < TOP_K; ++s) {
+                const int e = topk_ids[t * TOP_K + s];
+                if (e >= 0 && e < EXPERTS) v += topk_weights[t * TOP_K + s] * __ldg(w2_bias + (long)e * HIDDEN + c);
+            }
+        }
+        y[i] = (act_t)v;
+    }
 }
 #endif  // entry moe_convert

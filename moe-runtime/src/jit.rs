@@ -159,8 +159,8 @@ pub fn resource_report(log: &str) -> Vec<(String, u32, u32, u32)> {
 ///   defaults ([`dequant_variants`]; a spec naming its arch's default dequant renders the same
 ///   source as one naming none, so the defaults are among them);
 /// - the group-limited (DeepSeek-V3) router in one module of each family (both render it);
-/// - gpt-oss as it ships: MXFP4 with per-expert biases and the clamped SwiGLU (warp decode), and
-///   the clamped SwiGLU in the grouped family (bf16, no biases).
+/// - gpt-oss's computation (per-expert biases, the clamped SwiGLU): MXFP4 as it ships (warp
+///   decode) and bf16 (the grouped family).
 pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
@@ -185,7 +185,11 @@ pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let oai = |f| MoeSpec::builder(2880, 2880, 32, 4).weight_format(f).activation(Activation::SwigluOai);
     let gpt_oss = oai(WeightFormat::Mxfp4).bias(true).build().expect("a valid spec");
     out.push(("gpt-oss-20b", gpt_oss, KernelFamily::WarpDecode));
-    out.push(("gpt-oss-20b", oai(WeightFormat::Bf16).build().expect("a valid spec"), KernelFamily::GroupedGemm));
+    out.push((
+        "gpt-oss-20b",
+        oai(WeightFormat::Bf16).bias(true).build().expect("a valid spec"),
+        KernelFamily::GroupedGemm,
+    ));
     out
 }
 

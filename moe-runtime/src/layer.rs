@@ -226,7 +226,9 @@ impl MoeLayer {
     }
 
     /// Size the scratch for steps of up to `max_tokens`, so that later forwards (and graph
-    /// captures) allocate nothing.
+    /// captures) allocate nothing. With the grouped family, warp decode's scratch covers the
+    /// steps below the prefill threshold only: a larger step forced onto warp decode
+    /// (`forward_family`) grows it outside capture, and inside one is `NotReserved`.
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
         // The grouped module also routes from logits, for either family.
         if let Ok(g) = &self.grouped {

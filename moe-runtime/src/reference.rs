@@ -51,7 +51,7 @@ pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i
         spec,
         |e, r| w.w13_row(spec, e, r),
         |e, r| w.w2_row(spec, e, r),
-        None,
+        spec.has_bias().then_some((w.w13_bias.as_slice(), w.w2_bias.as_slice())),
         &xq,
         ids,
         weights,

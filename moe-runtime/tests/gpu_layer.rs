@@ -118,10 +118,10 @@ fn assert_close(spec: &MoeSpec, what: &str, (family, rel, cos): (KernelFamily, f
 }
 
 /// gpt-oss's computation: per-expert biases and the clamped SwiGLU, on the real gpt-oss-20b
-/// geometry in MXFP4 (as it ships) and bf16, at M = 1 (the bulk one-token kernels), 4, 33 and 300
-/// (several launches' worth of routing for a biased spec, which runs warp decode at every size),
-/// directly and captured; and the clamped SwiGLU alone in the grouped family. Inputs are scaled
-/// so that gate and up values pass the clamp limits.
+/// geometry in MXFP4 (as it ships; warp decode only) and bf16, and in fp8 on a small geometry, at
+/// M = 1 (the bulk one-token kernels), 4, 33 and 300 in every family the layer has, directly and
+/// captured; and the clamped SwiGLU without biases. Biases are scaled so that gate and up values
+/// pass the clamp limits.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn biases_and_swiglu_oai_match_reference() {
@@ -131,9 +131,12 @@ fn biases_and_swiglu_oai_match_reference() {
         oai(2880, 2880, 32, 4, WeightFormat::Mxfp4).bias(true).build().unwrap(),
         oai(2880, 2880, 32, 4, WeightFormat::Bf16).bias(true).build().unwrap(),
         oai(512, 256, 16, 4, WeightFormat::Fp8E4m3).bias(true).build().unwrap(),
+        // Qwen3-30B-A3B's tiles: the warp-specialised GEMMs with extended items (bf16) and with
+        // GEMM1 quantizing the intermediate itself (fp8), at M = 4096 too.
+        MoeSpec::builder(2048, 768, 128, 8).bias(true).build().unwrap(),
+        MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Fp8E4m3).bias(true).build().unwrap(),
     ];
     for spec in biased {
-        assert!(!moe_codegen::family_supports(KernelFamily::GroupedGemm, &spec), "biases are warp decode's");
         let seed = fresh_seed();
         let mut w = random_weights(&spec, seed);
         // Large biases push a share of the gate / up projections past the clamp at 7.
@@ -147,10 +150,19 @@ fn biases_and_swiglu_oai_match_reference() {
         assert!(MoeLayer::load(&dev, plain, &w).is_err(), "{}: biases on a spec without them", spec.id());
         let bare = HostWeights { w13_bias: Vec::new(), w2_bias: Vec::new(), ..w.clone() };
         assert!(MoeLayer::load(&dev, spec, &bare).is_err(), "{}: a biased spec without biases", spec.id());
-        for (j, m) in [1usize, 4, 33, 300].into_iter().enumerate() {
-            let how = How { family: None, graph: j % 2 == 1 };
-            let s = seed + m as u64;
-            assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
+        let families: Vec<KernelFamily> =
+            KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
+        assert_eq!(families.len(), if spec.weight_format() == WeightFormat::Mxfp4 { 1 } else { 2 }, "{}", spec.id());
+        for family in families {
+            let large = spec.hidden() == 2048 && family == KernelFamily::GroupedGemm;
+            let ms: &[usize] = if large { &[1, 4, 33, 300, 4096] } else { &[1, 4, 33, 300] };
+            for (j, &m) in ms.iter().enumerate() {
+                // `reserve(m)` covers the family `forward` picks for m (warp decode only below
+                // the prefill threshold when the layer has the grouped family): capture that one.
+                let how = How { family: Some(family), graph: j % 2 == 1 && family == layer.family_for(m) };
+                let s = seed + m as u64;
+                assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
+            }
         }
     }
     let spec = oai(512, 256, 16, 4, WeightFormat::Bf16).build().unwrap();

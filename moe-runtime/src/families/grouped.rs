@@ -352,6 +352,7 @@ impl GroupedPath {
             num_tiles: ntiles,
             w13: p.w13,
             w13_scales: p.w13_scales,
+            w13_bias: p.w13_bias,
             mid,
             mid_scales,
             work_counter: counters,
@@ -387,11 +388,26 @@ impl GroupedPath {
         unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(), gemm2_params)? };
         unsafe {
             if deterministic {
-                let combine = CombineRowsParams { rows: out32, pair_pos: pos, topk_weights: p.weights, m: m32, y: p.y };
+                let combine = CombineRowsParams {
+                    rows: out32,
+                    pair_pos: pos,
+                    topk_ids: p.ids,
+                    topk_weights: p.weights,
+                    w2_bias: p.w2_bias,
+                    m: m32,
+                    y: p.y,
+                };
                 let dims = (elementwise(m * h / 8), ELEMWISE_THREADS, 0);
                 self.fns.combine_rows.launch(stream, dims, true, combine)?;
             } else {
-                let convert = ConvertParams { y32: out32, m: m32, y: p.y };
+                let convert = ConvertParams {
+                    y32: out32,
+                    topk_ids: p.ids,
+                    topk_weights: p.weights,
+                    w2_bias: p.w2_bias,
+                    m: m32,
+                    y: p.y,
+                };
                 self.fns.convert.launch(stream, (elementwise(m * h), ELEMWISE_THREADS, 0), true, convert)?;
             }
         }
