@@ -44,6 +44,7 @@ fn child(geometry: &str, format: &str, cache: &str) {
         w2: s.clone_htod(&w.w2).unwrap(),
         w2_scales: up(&w.w2_scales),
         bias: None,
+        shared_gate: None,
     };
     s.synchronize().unwrap();
     let upload = t.elapsed().as_secs_f64();

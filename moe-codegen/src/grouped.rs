@@ -91,7 +91,7 @@ const BK_BYTES: u32 = 128;
 impl GemmTiles {
     /// The default tiles of a spec on an arch ([`crate::heuristics::gemm_tiles`]).
     pub fn for_spec(spec: &MoeSpec, arch: Arch) -> GemmTiles {
-        crate::heuristics::gemm_tiles(spec, arch)
+        crate::heuristics::gemm_tiles(&spec.kernel_spec(), arch)
     }
 
     /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `128,128,4,1`,
@@ -175,6 +175,7 @@ impl GemmTiles {
 
 /// Why a spec cannot use the grouped family, if it cannot.
 pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
+    let spec = &spec.kernel_spec();
     let f = spec.weight_format();
     let elem = match f {
         WeightFormat::Bf16 | WeightFormat::Fp16 => 2,
@@ -255,6 +256,9 @@ struct GroupedGemmCu {
 /// Render the grouped-GEMM family with explicit tiles.
 pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<KernelSource, CodegenError> {
     crate::render::count_render();
+    // As render_warp_decode: the GEMMs see the shared experts as experts, the router does not.
+    let routed = *spec;
+    let spec = &spec.kernel_spec();
     let family = KernelFamily::GroupedGemm;
     let unsupported = |what: String| CodegenError::Unsupported { family, arch, what };
     grouped_support(spec).map_err(unsupported)?;
@@ -326,7 +330,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     ns.retain(|&n| n > 0);
     ns.sort_unstable();
     ns.dedup();
-    let router = RouterCtx::new(spec);
+    let router = RouterCtx::new(&routed);
     let mma_name = match tiles.mma {
         Mma::Wgmma => "wgmma",
         Mma::MmaSync => "mma",
@@ -339,7 +343,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     let tail = if ext > 0 { format!("t{ext}") } else { String::new() };
     let name = format!(
         "{family}_{}_bm{}n{}n{}s{}b{}_{mma_name}{ws}{cl}{lag}{tail}",
-        spec.id(),
+        routed.id(),
         t.bm,
         t.bn1,
         t.bn2,

@@ -108,6 +108,16 @@ kernel_params! {
         topk_ids: u64 = "int* __restrict__",
         topk_weights: u64 = "float* __restrict__",
     }
+    /// `moe_expand_routing`: the routed `[m, k]` routing widened with the shared experts' slots.
+    ExpandParams {
+        ids_in: u64 = "const int* __restrict__",
+        weights_in: u64 = "const float* __restrict__",
+        x: u64 = "const act_t* __restrict__",
+        gate: u64 = "const float* __restrict__",
+        dst_ids: u64 = "int* __restrict__",
+        dst_weights: u64 = "float* __restrict__",
+        m: i32 = "int",
+    }
     /// `moe_ids_from_i64`: int64 routing ids narrowed to int32 (-1 out of range).
     IdsFromI64Params {
         src: u64 = "const long long* __restrict__",
@@ -234,6 +244,7 @@ kernel_params! {
 pub fn decode_decls() -> String {
     [
         RouteParams::c_decl(),
+        ExpandParams::c_decl(),
         IdsFromI64Params::c_decl(),
         GateUpParams::c_decl(),
         GateUpBulkParams::c_decl(),

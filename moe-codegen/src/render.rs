@@ -175,7 +175,7 @@ pub struct DecodeTiles {
 impl DecodeTiles {
     /// The default tiles for a spec ([`crate::heuristics::decode_tiles`]).
     pub fn for_spec(spec: &MoeSpec) -> DecodeTiles {
-        crate::heuristics::decode_tiles(spec)
+        crate::heuristics::decode_tiles(&spec.kernel_spec())
     }
 
     /// Sets each bulk ring to as many stages (up to 8) as fit [`BULK_SMEM_BUDGET`] with the
@@ -274,6 +274,9 @@ struct WarpDecodeCu {
     router: crate::router::RouterCtx,
     /// The kernels' parameter structs ([`crate::params`]).
     params: String,
+    /// Shared experts ([`MoeSpec::shared_experts`]) and whether they are gated.
+    shared: u32,
+    shared_gated: bool,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -303,6 +306,10 @@ fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) ->
 /// Render the warp-decode family with explicit tiles.
 pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Result<KernelSource, CodegenError> {
     count_render();
+    // The kernels compute the layer with its shared experts as experts past the routed ones;
+    // the router and the routing expansion see the routed counts.
+    let routed = *spec;
+    let spec = &spec.kernel_spec();
     let variant = resolve_dequant(spec, arch)?;
     if tiles.warps == 0 || tiles.gu_chunk == 0 || tiles.dn_chunk == 0 || tiles.dn_rows == 0 {
         return Err(CodegenError::Unsupported {
@@ -362,9 +369,11 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
             what: format!("bulk kernels of {gu} and {dn} bytes of shared memory (at most {BULK_SMEM_MAX})"),
         });
     }
-    let name = module_name(KernelFamily::WarpDecode, spec, variant);
+    let name = module_name(KernelFamily::WarpDecode, &routed, variant);
     let t = WarpDecodeCu {
-        router: crate::router::RouterCtx::new(spec),
+        router: crate::router::RouterCtx::new(&routed),
+        shared: routed.shared_experts(),
+        shared_gated: routed.shared_gated(),
         params: crate::params::decode_decls(),
         spec_id: name.clone(),
         hidden: spec.hidden(),
@@ -493,6 +502,8 @@ pub mod decode_entry {
     pub const DOWN_BULK: &str = "moe_down_bulk";
     /// int64 routing ids narrowed to int32.
     pub const IDS_FROM_I64: &str = "moe_ids_from_i64";
+    /// The routing widened with the shared experts' slots.
+    pub const EXPAND_ROUTING: &str = "moe_expand_routing";
     /// The spec's router: logits to routing ids and weights (steps from logits).
     pub const ROUTE: &str = "moe_route";
     /// gate_up for a token tile (one of `TOKEN_TILES`).
@@ -506,7 +517,7 @@ pub mod decode_entry {
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     use decode_entry::*;
     match family {
-        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE]
+        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE, EXPAND_ROUTING]
             .map(String::from)
             .into_iter()
             .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
@@ -693,7 +704,7 @@ mod tests {
             let threads = match ep.as_str() {
                 "moe_gate_up_bulk" => "BK_GU_THREADS, 1",
                 "moe_down_bulk" => "BK_DN_THREADS, 1",
-                "moe_route" => "ROUTE_WARPS * 32",
+                "moe_route" | "moe_expand_routing" => "ROUTE_WARPS * 32",
                 _ => "WARPS * 32",
             };
             // One parameter: the kernel's struct from moe_codegen::params.

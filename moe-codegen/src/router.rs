@@ -107,6 +107,9 @@ impl fmt::Display for Router {
 
 /// The router's constants as `router.cuh` reads them (both families render it).
 pub(crate) struct RouterCtx {
+    /// The routed experts and choices (the spec's, shared experts not counted).
+    pub experts: u32,
+    pub top_k: u32,
     pub grouped: bool,
     pub renormalize: bool,
     pub groups: u32,
@@ -116,11 +119,20 @@ pub(crate) struct RouterCtx {
 
 impl RouterCtx {
     pub(crate) fn new(spec: &crate::MoeSpec) -> RouterCtx {
+        let (experts, top_k) = (spec.experts(), spec.top_k());
         match spec.router() {
-            Router::Softmax { renormalize } => {
-                RouterCtx { grouped: false, renormalize, groups: 0, topk_groups: 0, scaling: "1.0f".into() }
-            }
+            Router::Softmax { renormalize } => RouterCtx {
+                experts,
+                top_k,
+                grouped: false,
+                renormalize,
+                groups: 0,
+                topk_groups: 0,
+                scaling: "1.0f".into(),
+            },
             Router::GroupLimited(g) => RouterCtx {
+                experts,
+                top_k,
                 grouped: true,
                 renormalize: g.renormalize,
                 groups: g.groups,

@@ -279,6 +279,14 @@ pub struct MoeSpec {
     /// activation, `w2_bias [E, H]` to each expert's output before its routing weight (gpt-oss).
     #[serde(default)]
     bias: bool,
+    /// Shared experts every token uses besides its routed ones (DeepSeek-V3, Qwen2-MoE), stored
+    /// after the routed experts and computed in the same step.
+    #[serde(default)]
+    shared: u32,
+    /// Whether the shared experts' output is scaled by `sigmoid(x . shared_gate)` per token
+    /// (Qwen2-MoE) rather than 1 (DeepSeek-V3).
+    #[serde(default)]
+    shared_gated: bool,
 }
 
 /// Why a reduction axis must be a multiple of the format's vector width.
@@ -454,6 +462,8 @@ impl MoeSpec {
             dequant,
             router: Router::Softmax { renormalize: true },
             bias,
+            shared: 0,
+            shared_gated: false,
         })
     }
 
@@ -507,6 +517,52 @@ impl MoeSpec {
         self.bias
     }
 
+    /// This spec with `count` shared experts (each of the spec's intermediate size; a larger
+    /// shared expert is split into several along its intermediate dimension, which computes the
+    /// same sum), weighted 1 or, if `gated`, by `sigmoid(x . shared_gate)` per token. Their
+    /// weights follow the routed experts' in w13 / w2 (experts `E .. E + count`).
+    pub const fn with_shared_experts(mut self, count: u32, gated: bool) -> Result<MoeSpec, SpecError> {
+        if self.experts + count > MAX_EXPERTS {
+            return Err(SpecError::TooLarge {
+                field: "experts + shared experts",
+                value: self.experts + count,
+                max: MAX_EXPERTS,
+            });
+        }
+        if self.top_k + count > MAX_TOP_K {
+            return Err(SpecError::TooLarge {
+                field: "top_k + shared experts",
+                value: self.top_k + count,
+                max: MAX_TOP_K,
+            });
+        }
+        if gated && count == 0 {
+            return Err(SpecError::Zero { field: "shared experts (a shared gate needs at least one)" });
+        }
+        self.shared = count;
+        self.shared_gated = gated;
+        Ok(self)
+    }
+    /// Shared experts every token uses (0: none).
+    pub const fn shared_experts(&self) -> u32 {
+        self.shared
+    }
+    /// Whether the shared experts are scaled by `sigmoid(x . shared_gate)` per token.
+    pub const fn shared_gated(&self) -> bool {
+        self.shared_gated
+    }
+    /// The layer the kernels compute: the shared experts as experts `E .. E + S` that every
+    /// token's routing names in slots `k .. k + S` (the layer appends them on the device). The
+    /// spec itself where there are none.
+    pub const fn kernel_spec(&self) -> MoeSpec {
+        let mut k = *self;
+        k.experts += self.shared;
+        k.top_k += self.shared;
+        k.shared = 0;
+        k.shared_gated = false;
+        k
+    }
+
     /// The dequant variant the spec names; `None`: the format's default on each arch.
     pub const fn dequant(&self) -> Option<DequantVariant> {
         self.dequant
@@ -545,8 +601,13 @@ impl MoeSpec {
         // The default router is left out so ids (and module names) of decode specs stay short.
         let router = if self.router == Router::default() { String::new() } else { format!("_{}", self.router) };
         let bias = if self.bias { "_bias" } else { "" };
+        let shared = match (self.shared, self.shared_gated) {
+            (0, _) => String::new(),
+            (s, false) => format!("_sh{s}"),
+            (s, true) => format!("_sh{s}g"),
+        };
         format!(
-            "h{}_i{}_e{}_k{}_{}_{}_{}{bias}{router}{dq}",
+            "h{}_i{}_e{}_k{}_{}_{}_{}{bias}{shared}{router}{dq}",
             self.hidden,
             self.intermediate,
             self.experts,
@@ -716,6 +777,19 @@ mod tests {
         let g = b(2880, 2880, 32, 4).activation(Activation::SwigluOai).bias(true).build().unwrap();
         assert!(g.has_bias());
         assert_eq!(g.id(), "h2880_i2880_e32_k4_bf16_bf16_swiglu_oai_bias");
+    }
+
+    #[test]
+    fn shared_experts_widen_the_kernel_spec() {
+        let s = b(2048, 768, 256, 8).build().unwrap().with_shared_experts(1, false).unwrap();
+        let k = s.kernel_spec();
+        assert_eq!((k.experts(), k.top_k(), k.shared_experts()), (257, 9, 0));
+        assert_eq!(s.id(), "h2048_i768_e256_k8_bf16_bf16_silu_sh1");
+        let q = b(2048, 1408, 60, 4).build().unwrap().with_shared_experts(4, true).unwrap();
+        assert!(q.shared_gated() && q.id().ends_with("_sh4g"));
+        assert!(b(64, 64, 1024, 8).build().unwrap().with_shared_experts(1, false).is_err());
+        assert!(b(64, 64, 64, 30).build().unwrap().with_shared_experts(3, false).is_err());
+        assert!(b(64, 64, 64, 8).build().unwrap().with_shared_experts(0, true).is_err());
     }
 
     #[test]

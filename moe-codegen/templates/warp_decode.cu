@@ -782,6 +782,46 @@ moe_gate_up_t{{ mt }}(const __grid_constant__ GateUpParams params) {
 {% include "decode_bulk.cuh" %}
 {% include "router.cuh" %}
 
+// Shared experts (DeepSeek-V3, Qwen2-MoE): every token's routing [m, R_TOP_K] widened to
+// [m, TOP_K], its last SHARED slots naming experts R_EXPERTS .. with weight 1, or
+// sigmoid(x . gate) where SHARED_GATED. A routed id outside [0, R_EXPERTS) becomes -1 (counted
+// and skipped by the kernels), so no caller id can reach a shared expert. One warp per token.
+constexpr int SHARED = {{ shared }};
+constexpr bool SHARED_GATED = {{ shared_gated }};
+static_assert(R_TOP_K + SHARED == TOP_K && R_EXPERTS + SHARED == EXPERTS, "shared experts follow the routed ones");
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_expand_routing)
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+moe_expand_routing(const __grid_constant__ ExpandParams params) {
+    MOE_UNPACK_ExpandParams(params);
+    const int lane = threadIdx.x % 32;
+    const int t = blockIdx.x * ROUTE_WARPS + threadIdx.x / 32;
+    if (t >= m) return;
+    for (int s = lane; s < R_TOP_K; s += 32) {
+        const int e = ids_in[(long)t * R_TOP_K + s];
+        dst_ids[(long)t * TOP_K + s] = e >= 0 && e < R_EXPERTS ? e : -1;
+        dst_weights[(long)t * TOP_K + s] = weights_in[(long)t * R_TOP_K + s];
+    }
+    float w = 1.0f;
+    if constexpr (SHARED_GATED) {
+        static_assert(HIDDEN % 8 == 0, "8 activations per 16-byte load");
+        const uint4* xt = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
+        float dot = 0.0f;
+        for (int i = lane; i < HIDDEN / 8; i += 32) {
+            float f[8];
+            widen8(__ldg(xt + i), (const act_t*)nullptr, f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dot = fmaf(f[j], __ldg(gate + 8 * i + j), dot);
+        }
+        dot = warp_sum(dot);
+        w = 1.0f / (1.0f + __expf(-dot));
+    }
+    for (int j = lane; j < SHARED; j += 32) {
+        dst_ids[(long)t * TOP_K + R_TOP_K + j] = R_EXPERTS + j;
+        dst_weights[(long)t * TOP_K + R_TOP_K + j] = w;
+    }
+}
+#endif  // entry moe_expand_routing
+
 // Routing ids given as int64 (PyTorch's index type), narrowed to the int32 every kernel reads.
 // An id outside int32 becomes -1, which the kernels count as out of range and skip.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ids_from_i64)

@@ -16,7 +16,7 @@ use syn::punctuated::Punctuated;
 use syn::{bracketed, token, Ident, LitInt, Token};
 
 /// Every key the attribute takes, in the order the docs list them.
-pub(crate) const KEYS: [&str; 11] = [
+pub(crate) const KEYS: [&str; 13] = [
     "hidden",
     "intermediate",
     "experts",
@@ -26,6 +26,8 @@ pub(crate) const KEYS: [&str; 11] = [
     "activation",
     "act_dtype",
     "bias",
+    "shared_experts",
+    "shared_gate",
     "archs",
     "families",
 ];
@@ -290,6 +292,8 @@ impl Args {
         let mut format = Given::default(WeightFormat::Bf16);
         let mut activation = Given::default(Activation::Silu);
         let mut bias = false;
+        let mut shared: Option<Given<u32>> = None;
+        let mut shared_gate: Option<Given<bool>> = None;
         let mut act_dtype: Option<Given<ActDtype>> = None;
         let mut dequant: Option<Given<DequantVariant>> = None;
         let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
@@ -319,6 +323,8 @@ impl Args {
                 "activation" => name(arg).map(|v| activation = Given::of(arg, v)),
                 "act_dtype" => name(arg).map(|v| act_dtype = Some(Given::of(arg, v))),
                 "bias" => boolean(arg).map(|v| bias = v),
+                "shared_experts" => int(arg).map(|v| shared = Some(Given::of(arg, v))),
+                "shared_gate" => boolean(arg).map(|v| shared_gate = Some(Given::of(arg, v))),
                 "archs" => list(arg).map(|v| archs = v),
                 "families" => list(arg).map(|v| families = Some(v)),
                 _ => unreachable!("every key in KEYS is handled"),
@@ -388,6 +394,12 @@ impl Args {
             }
         })?
         .with_bias(bias);
+        let (count, gated) = (shared.as_ref().map_or(0, |g| g.value), shared_gate.as_ref().is_some_and(|g| g.value));
+        let spec = spec.with_shared_experts(count, gated).map_err(|e| match (&shared, &shared_gate) {
+            (Some(s), _) => s.error(&e),
+            (None, Some(g)) => g.error(&e),
+            (None, None) => syn::Error::new(Span::call_site(), &e),
+        })?;
         let families = match families {
             Some(declared) => {
                 let mut errors = Errors::default();

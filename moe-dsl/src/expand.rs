@@ -50,6 +50,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     };
     let (hidden, intermediate, experts, top_k) = (spec.hidden(), spec.intermediate(), spec.experts(), spec.top_k());
     let bias = spec.has_bias();
+    let (shared, shared_gated) = (spec.shared_experts(), spec.shared_gated());
     let arch_values: Vec<_> = archs.iter().map(|a| variant("Arch", a.value)).collect();
     let family_values: Vec<_> = families.iter().map(|f| variant("KernelFamily", f.value)).collect();
 
@@ -152,7 +153,13 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 };
                 // `SpecError` can own a `String` and consts run no destructors: forget the `Result`.
                 ::core::mem::forget(spec);
-                value.with_bias(#bias)
+                let spec = value.with_bias(#bias).with_shared_experts(#shared, #shared_gated);
+                let value = match &spec {
+                    ::core::result::Result::Ok(spec) => *spec,
+                    ::core::result::Result::Err(_) => ::core::panic!(#panic_msg),
+                };
+                ::core::mem::forget(spec);
+                value
             };
 
             #[doc = #archs_doc]

@@ -64,6 +64,8 @@ mod expand;
 /// | `activation` | `silu`, `gelu_tanh`, `swiglu_oai` (gpt-oss) | `silu` |
 /// | `act_dtype` | `bf16`, `fp16` | the format's (`fp16` for fp16 weights, else `bf16`) |
 /// | `bias` | `true`, `false`: per-expert biases on w13 and w2 (`HostWeights::w13_bias` / `w2_bias`) | `false` |
+/// | `shared_experts` | integer: shared experts every token uses, after the routed ones in w13 / w2 (DeepSeek-V3, Qwen2-MoE) | `0` |
+/// | `shared_gate` | `true`, `false`: the shared experts weighted by `sigmoid(x . shared_gate)` (Qwen2-MoE) | `false` |
 /// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
 /// | `families` | list of `warp_decode`, `grouped_gemm` | every family the spec supports (`moe_codegen::family_supports`) |
 ///

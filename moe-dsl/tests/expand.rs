@@ -45,6 +45,14 @@ struct Qwen3Nvfp4Hw;
 #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_asym_g128, dequant = lut)]
 struct Qwen3Awq;
 
+/// DeepSeek-V3-shaped (scaled down): one shared expert computed in the step.
+#[moe_kernel(hidden = 1024, intermediate = 256, experts = 64, top_k = 6, format = fp8_e4m3_b128, shared_experts = 1)]
+struct DeepSeekLike;
+
+/// Qwen2-MoE's shared expert, gated, as four of the routed experts' size.
+#[moe_kernel(hidden = 2048, intermediate = 1408, experts = 60, top_k = 4, shared_experts = 4, shared_gate = true)]
+struct Qwen2Moe;
+
 #[test]
 fn spec_holds_the_declared_values() {
     let g = GptOssMxfp4::SPEC;
@@ -52,6 +60,13 @@ fn spec_holds_the_declared_values() {
     let built = MoeSpec::builder(2880, 2880, 32, 4).weight_format(WeightFormat::Mxfp4);
     assert_eq!(g, built.activation(Activation::SwigluOai).bias(true).build().unwrap());
     assert!(!Qwen3Moe::SPEC.has_bias());
+    assert_eq!((DeepSeekLike::SPEC.shared_experts(), DeepSeekLike::SPEC.shared_gated()), (1, false));
+    assert_eq!((Qwen2Moe::SPEC.shared_experts(), Qwen2Moe::SPEC.shared_gated()), (4, true));
+    assert_eq!(Qwen2Moe::SPEC.kernel_spec().experts(), 64);
+    assert_eq!(
+        DeepSeekLike::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).unwrap().source,
+        render(&DeepSeekLike::SPEC, KernelFamily::GroupedGemm, Arch::Sm90a).unwrap().source
+    );
     let s = Qwen3Moe::SPEC;
     assert_eq!((s.hidden(), s.intermediate(), s.experts(), s.top_k()), (2048, 768, 128, 8));
     assert_eq!(s.weight_format(), WeightFormat::Bf16);

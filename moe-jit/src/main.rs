@@ -62,6 +62,12 @@ enum Cmd {
         /// Your spec has per-expert biases on w13 and w2.
         #[arg(long)]
         bias: bool,
+        /// Your spec's shared experts (every token uses them; default 0).
+        #[arg(long, default_value_t = 0)]
+        shared_experts: u32,
+        /// Your spec's shared experts are gated (sigmoid(x . gate) per token).
+        #[arg(long)]
+        shared_gate: bool,
         /// Your spec's dequant variant (lut, bits, hardware; default: every one the format has).
         #[arg(long)]
         dequant: Option<DequantVariant>,
@@ -138,6 +144,7 @@ struct SpecArgs {
     act_dtype: Option<ActDtype>,
     activation: Option<Activation>,
     bias: bool,
+    shared: (u32, bool),
     dequant: Option<DequantVariant>,
 }
 
@@ -273,6 +280,8 @@ fn main() -> ExitCode {
             act_dtype,
             activation,
             bias,
+            shared_experts,
+            shared_gate,
             dequant,
             all_geometries: _,
             jobs,
@@ -297,6 +306,7 @@ fn main() -> ExitCode {
                 act_dtype,
                 activation,
                 bias,
+                shared: (shared_experts, shared_gate),
                 dequant,
             };
             let mut list = match check_list(&spec) {
@@ -349,7 +359,8 @@ fn check_list(args: &SpecArgs) -> Result<Vec<(&'static str, MoeSpec, KernelFamil
     const SIZES: [&str; 4] = ["--hidden", "--intermediate", "--experts", "--top-k"];
     let given: Vec<u32> = args.sizes.iter().flatten().copied().collect();
     if given.is_empty() {
-        if args.act_dtype.is_some() || args.activation.is_some() || args.dequant.is_some() || args.bias {
+        let custom = args.bias || args.shared != (0, false);
+        if args.act_dtype.is_some() || args.activation.is_some() || args.dequant.is_some() || custom {
             return Err("--act-dtype, --activation, --bias and --dequant describe a spec of your own: give --hidden, \
                         --intermediate, --experts and --top-k too"
                 .into());
@@ -379,6 +390,7 @@ fn check_list(args: &SpecArgs) -> Result<Vec<(&'static str, MoeSpec, KernelFamil
             Some(d) => b.dequant(d).build(),
             None => b.build(),
         }
+        .and_then(|s| s.with_shared_experts(args.shared.0, args.shared.1))
         .map_err(|err| invalid(f, err))?;
         match args.dequant {
             Some(_) => out.push(("spec", base, KernelFamily::WarpDecode)),

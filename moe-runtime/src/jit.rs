@@ -160,7 +160,9 @@ pub fn resource_report(log: &str) -> Vec<(String, u32, u32, u32)> {
 ///   source as one naming none, so the defaults are among them);
 /// - the group-limited (DeepSeek-V3) router in one module of each family (both render it);
 /// - gpt-oss's computation (per-expert biases, the clamped SwiGLU): MXFP4 as it ships (warp
-///   decode) and bf16 (the grouped family).
+///   decode) and bf16 (the grouped family);
+/// - shared experts: DeepSeek-V3's (one, weight 1; block fp8, scaled down, both families) and
+///   Qwen2-MoE's (four, gated; bf16, warp decode).
 pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     let mut out = Vec::new();
     for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
@@ -190,6 +192,16 @@ pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
         oai(WeightFormat::Bf16).bias(true).build().expect("a valid spec"),
         KernelFamily::GroupedGemm,
     ));
+    let deepseek = MoeSpec::builder(1024, 256, 64, 6)
+        .weight_format(WeightFormat::Fp8E4m3B128)
+        .build()
+        .and_then(|s| s.with_shared_experts(1, false))
+        .expect("a valid spec");
+    out.push(("deepseek-v3-small", deepseek, KernelFamily::WarpDecode));
+    out.push(("deepseek-v3-small", deepseek, KernelFamily::GroupedGemm));
+    let qwen2 =
+        MoeSpec::builder(2048, 1408, 60, 4).build().and_then(|s| s.with_shared_experts(4, true)).expect("a valid spec");
+    out.push(("qwen2-57b-a14b", qwen2, KernelFamily::WarpDecode));
     out
 }
 

@@ -57,6 +57,9 @@ impl ActElem for half::f16 {
 /// and the grouped GEMMs where the spec allows them) and their scratch; `forward` runs a step.
 pub struct MoeLayer {
     spec: MoeSpec,
+    /// What the kernels compute: `spec` with its shared experts as experts past the routed ones
+    /// (`MoeSpec::kernel_spec`); the families are built for it.
+    kspec: MoeSpec,
     stream: Arc<CudaStream>,
     w13: CudaSlice<u8>,
     w13_scales: CudaSlice<u8>,
@@ -64,6 +67,11 @@ pub struct MoeLayer {
     w2_scales: CudaSlice<u8>,
     /// `(w13_bias, w2_bias)` of a spec with biases.
     bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// The gated shared experts' gate `[H]`.
+    shared_gate: Option<CudaSlice<f32>>,
+    /// A step's routing with the shared experts' slots appended (`[M, k + S]`), grown as `ids32`.
+    ids_ext: Mutex<CudaSlice<i32>>,
+    weights_ext: Mutex<CudaSlice<f32>>,
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
     /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]), or the ids a
@@ -114,8 +122,8 @@ impl MoeLayer {
                 let tiles = moe_codegen::GemmTiles::for_spec(&spec, device.arch());
                 let gsrc = moe_codegen::render_grouped(&spec, device.arch(), tiles)?;
                 // Both families' kernels in one parallel batch of compiles.
-                compile_all(device, &spec, &[&src, &gsrc])?;
-                Ok(GroupedPath::with_source(device, &spec, tiles, &gsrc)?)
+                compile_all(device, &spec.kernel_spec(), &[&src, &gsrc])?;
+                Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, &gsrc)?)
             }
             Err(why) => Err(why),
         };
@@ -133,7 +141,7 @@ impl MoeLayer {
     ) -> Result<MoeLayer> {
         let arch = device.arch();
         let find = |family| sources.iter().find(|s| s.family == family && s.arch == arch);
-        compile_all(device, &spec, &sources.iter().filter(|s| s.arch == arch).collect::<Vec<_>>())?;
+        compile_all(device, &spec.kernel_spec(), &sources.iter().filter(|s| s.arch == arch).collect::<Vec<_>>())?;
         let decode = find(KernelFamily::WarpDecode)
             .ok_or(RuntimeError::MissingSource { family: KernelFamily::WarpDecode, arch })?
             .clone();
@@ -144,7 +152,7 @@ impl MoeLayer {
                     expected: "the tiles the grouped source was rendered with".into(),
                     got: "none".into(),
                 })?;
-                Ok(GroupedPath::with_source(device, &spec, tiles, src)?)
+                Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, src)?)
             }
             None => Err(format!("no grouped source for {arch} among the layer's sources")),
         };
@@ -163,12 +171,17 @@ impl MoeLayer {
             tracing::info!(%why, "no grouped GEMM path; every step uses warp decode");
         }
         weights.validate(&spec)?;
-        let decode = DecodeFamily::load(device, &spec, &src)?;
+        let kspec = spec.kernel_spec();
+        let decode = DecodeFamily::load(device, &kspec, &src)?;
         let stream = device.stream().clone();
         let on_device = weights.into_device(&stream)?;
         let [w13, w13_scales, w2, w2_scales] = on_device.mats;
         let layer = MoeLayer {
             spec,
+            kspec,
+            shared_gate: on_device.shared_gate,
+            ids_ext: Mutex::new(stream.alloc_zeros::<i32>(1)?),
+            weights_ext: Mutex::new(stream.alloc_zeros::<f32>(1)?),
             w13,
             w13_scales,
             w2,
@@ -232,17 +245,22 @@ impl MoeLayer {
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
         // The grouped module also routes from logits, for either family.
         if let Ok(g) = &self.grouped {
-            g.reserve(&self.stream, &self.spec, max_tokens, self.deterministic)?;
+            g.reserve(&self.stream, &self.kspec, max_tokens, self.deterministic)?;
         }
         // Warp decode takes the steps below the threshold, or every step without the grouped
         // family; a decode launch never takes more than the family's chunk.
         let decode_max = if self.grouped.is_ok() { max_tokens.min(self.prefill_threshold) } else { max_tokens };
-        self.decode.reserve(&self.stream, &self.spec, decode_max)?;
+        self.decode.reserve(&self.stream, &self.kspec, decode_max)?;
         // int64 routing ids are narrowed into this, and a decode-only layer routes logits into it.
         let pairs = max_tokens * self.spec.top_k() as usize;
         self.ids_scratch(&self.stream, pairs)?;
         if self.grouped.is_err() {
             self.weights_scratch(&self.stream, pairs)?;
+        }
+        if self.spec.shared_experts() > 0 {
+            let ext = max_tokens * self.kspec.top_k() as usize;
+            self.grow(&self.ids_ext, &self.stream, ext)?;
+            self.grow(&self.weights_ext, &self.stream, ext)?;
         }
         Ok(())
     }
@@ -293,7 +311,7 @@ impl MoeLayer {
     /// Rebuild the grouped family with other tiles (benchmarks sweep them this way).
     pub fn set_grouped_tiles(&mut self, device: &Device, tiles: moe_codegen::GemmTiles) -> Result<()> {
         let src = moe_codegen::render_grouped(&self.spec, device.arch(), tiles)?;
-        self.grouped = Ok(GroupedPath::with_source(device, &self.spec, tiles, &src)?);
+        self.grouped = Ok(GroupedPath::with_source(device, &self.kspec, tiles, &src)?);
         Ok(())
     }
 
@@ -408,8 +426,22 @@ impl MoeLayer {
             validate_ids(&host, self.spec.experts())?;
         }
         let family = family.unwrap_or_else(|| self.family_for(m));
-        let p = self.step_ptrs(x.ptr(), ids, topk_weights.ptr(), y.ptr());
+        let (ids, weights) = self.with_shared(stream, m, (ids, topk_weights.ptr()), x.ptr())?;
+        let p = self.step_ptrs(x.ptr(), ids, weights, y.ptr());
         self.launch_family(stream, family, m, &p)
+    }
+
+    /// The routing the kernels read: `(ids, weights)` `[m, k]` themselves, or with shared
+    /// experts widened on `stream` into the layer's `[m, k + S]` scratch.
+    fn with_shared(&self, stream: &CudaStream, m: usize, routing: (u64, u64), x: u64) -> Result<(u64, u64)> {
+        if self.spec.shared_experts() == 0 {
+            return Ok(routing);
+        }
+        let n = m * self.kspec.top_k() as usize;
+        let dst = (self.grow(&self.ids_ext, stream, n)?, self.grow(&self.weights_ext, stream, n)?);
+        let gate = self.shared_gate.as_ref().map_or(0, |g| ptr(g, &self.stream));
+        self.decode.expand(stream, m, routing, x, gate, dst)?;
+        Ok(dst)
     }
 
     /// The int32 routing ids (narrowed from int64, or routed here from logits): `n` ids, grown
@@ -466,17 +498,21 @@ impl MoeLayer {
             let pairs = m * self.spec.top_k() as usize;
             let (ids, weights) = (self.ids_scratch(s, pairs)?, self.weights_scratch(s, pairs)?);
             self.decode.route(s, m, logits, bias, ids, weights)?;
+            let (ids, weights) = self.with_shared(s, m, (ids, weights), ptr(x, s))?;
             let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
             return self.launch_family(s, family, m, &p);
         };
-        g.reserve(&self.stream, &self.spec, m, self.deterministic)?;
-        if family == KernelFamily::GroupedGemm {
+        g.reserve(&self.stream, &self.kspec, m, self.deterministic)?;
+        // moe_prepare routes in the grouped step's first kernel, except where the shared experts'
+        // slots must be appended first.
+        if family == KernelFamily::GroupedGemm && self.spec.shared_experts() == 0 {
             // The grouped step routes in its first kernel (moe_prepare).
             let (ids, weights) = g.routing_ptrs(s, m)?;
             let p = StepPtrs { logits, bias, ..self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s)) };
             return self.launch_family(s, family, m, &p);
         }
-        let (ids, weights) = g.route(s, m, logits, bias)?;
+        let routing = g.route(s, m, logits, bias)?;
+        let (ids, weights) = self.with_shared(s, m, routing, ptr(x, s))?;
         let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
         self.launch_family(s, family, m, &p)
     }
@@ -561,10 +597,10 @@ impl MoeLayer {
         match family {
             KernelFamily::GroupedGemm => {
                 let g = self.grouped_path()?;
-                g.reserve(stream, &self.spec, m, self.deterministic)?;
-                g.forward(stream, &self.spec, m, p, self.deterministic)
+                g.reserve(stream, &self.kspec, m, self.deterministic)?;
+                g.forward(stream, &self.kspec, m, p, self.deterministic)
             }
-            _ => self.decode.forward(stream, &self.spec, m, p),
+            _ => self.decode.forward(stream, &self.kspec, m, p),
         }
     }
 }

@@ -9,7 +9,42 @@ use moe_codegen::{MoeSpec, Router};
 /// the step touches. Runs on every core. The weights' biases apply where the spec has them.
 pub fn moe_forward(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
     let bias = spec.has_bias().then_some((w.w13_bias.as_slice(), w.w2_bias.as_slice()));
-    forward_rows(spec, |e, r| w.w13_row(spec, e, r), |e, r| w.w2_row(spec, e, r), bias, x, ids, weights, |_| {})
+    let (ids, weights) = expand_routing(spec, w, x, ids, weights);
+    let rows = (|e, r| w.w13_row(spec, e, r), |e, r| w.w2_row(spec, e, r));
+    forward_rows(&spec.kernel_spec(), rows.0, rows.1, bias, x, &ids, &weights, |_| {})
+}
+
+/// The routing `[M, k]` with the spec's shared experts appended as slots `k .. k + S` naming
+/// experts `E .. E + S`, weighted 1 or `sigmoid(x . shared_gate)` (in f64, from `x` as given):
+/// what the layer computes with ([`MoeSpec::kernel_spec`]). The routing itself without shared
+/// experts.
+pub fn expand_routing(
+    spec: &MoeSpec,
+    w: &HostWeights,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+) -> (Vec<i32>, Vec<f32>) {
+    let (s, k, e, h) =
+        (spec.shared_experts() as usize, spec.top_k() as usize, spec.experts() as i32, spec.hidden() as usize);
+    if s == 0 {
+        return (ids.to_vec(), weights.to_vec());
+    }
+    let m = ids.len() / k;
+    let (mut out_ids, mut out_w) = (Vec::with_capacity(m * (k + s)), Vec::with_capacity(m * (k + s)));
+    for t in 0..m {
+        out_ids.extend_from_slice(&ids[t * k..(t + 1) * k]);
+        out_w.extend_from_slice(&weights[t * k..(t + 1) * k]);
+        let g = if spec.shared_gated() {
+            let d: f64 = x[t * h..(t + 1) * h].iter().zip(&w.shared_gate).map(|(&a, &b)| a as f64 * b as f64).sum();
+            (1.0 / (1.0 + (-d).exp())) as f32
+        } else {
+            1.0
+        };
+        out_ids.extend((0..s as i32).map(|j| e + j));
+        out_w.extend(std::iter::repeat_n(g, s));
+    }
+    (out_ids, out_w)
 }
 
 /// [`moe_forward`] on f32 weights in the spec's layout (`w13 [E, 2I, H]`, `w2 [E, H, I]`), e.g. the
@@ -47,14 +82,16 @@ pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i
     let x_group = if moe_codegen::grouped::x_per_token(spec.weight_format()) { spec.hidden() as usize } else { 128 };
     let xq = quant_e4m3(x, x_group);
     let act = spec.act_dtype();
+    // The shared gate reads x as the device holds it (before the GEMMs' e4m3 copy).
+    let (ids, weights) = expand_routing(spec, w, x, ids, weights);
     forward_rows(
-        spec,
+        &spec.kernel_spec(),
         |e, r| w.w13_row(spec, e, r),
         |e, r| w.w2_row(spec, e, r),
         spec.has_bias().then_some((w.w13_bias.as_slice(), w.w2_bias.as_slice())),
         &xq,
-        ids,
-        weights,
+        &ids,
+        &weights,
         |mid| {
             let rounded: Vec<f32> = mid.iter().map(|&v| act.round(v as f32)).collect();
             for (m, q) in mid.iter_mut().zip(quant_e4m3(&rounded, 128)) {

@@ -19,18 +19,26 @@ fn threads() -> usize {
 /// Random weights drawn directly in the spec's format (no f32 detour, so large layers are cheap):
 /// values of size about `1 / sqrt(K)` so that outputs stay O(1). Filled on every core.
 pub fn random_weights(spec: &MoeSpec, seed: u64) -> HostWeights {
+    // The shared experts' weights after the routed ones, and their gate where they have one.
+    let gated = spec.shared_gated();
+    let spec = &spec.kernel_spec();
     let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
     let f = spec.weight_format();
     let a = random_packed(f, e, 2 * i, h, seed, false);
     let b = random_packed(f, e, h, i, seed ^ 0x9e37_79b9_7f4a_7c15, false);
-    let w = HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales, ..Default::default() };
+    let mut w =
+        HostWeights { w13: a.data, w13_scales: a.scales, w2: b.data, w2_scales: b.scales, ..Default::default() };
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0xb1a5);
+    let mut draw = |n: usize, scale: f32| (0..n).map(|_| rng.random_range(-scale..scale)).collect::<Vec<f32>>();
+    if gated {
+        // x . gate of order 1: the sigmoid away from its saturation.
+        w.shared_gate = draw(h, 2.0 / (h as f32).sqrt());
+    }
     if !spec.has_bias() {
         return w;
     }
     // Biases of the order of the projections they are added to.
-    let mut rng = SmallRng::seed_from_u64(seed ^ 0xb1a5);
-    let mut draw = |n: usize| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<f32>>();
-    let (b13, b2) = (draw(e * 2 * i), draw(e * h));
+    let (b13, b2) = (draw(e * 2 * i, 1.0), draw(e * h, 1.0));
     w.with_bias(b13, b2)
 }
 

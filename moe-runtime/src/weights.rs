@@ -25,12 +25,16 @@ pub struct HostWeights {
     pub w13_bias: Vec<f32>,
     /// With [`MoeSpec::has_bias`]: `[E, H]` f32 added to each expert's output (empty without).
     pub w2_bias: Vec<f32>,
+    /// With [`MoeSpec::shared_gated`]: `[H]` f32, the shared experts' weight per token being
+    /// `sigmoid(x . shared_gate)` (empty without).
+    pub shared_gate: Vec<f32>,
 }
 
 impl HostWeights {
-    /// Quantize f32 weights (`w13 [E, 2I, H]`, `w2 [E, H, I]`) into the spec's format, one tensor
-    /// per expert, experts in parallel.
+    /// Quantize f32 weights (`w13 [E, 2I, H]`, `w2 [E, H, I]`; E counting the shared experts
+    /// after the routed ones) into the spec's format, one tensor per expert, experts in parallel.
     pub fn quantize(spec: &MoeSpec, w13: &[f32], w2: &[f32]) -> std::result::Result<HostWeights, QuantError> {
+        let spec = &spec.kernel_spec();
         let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
         let f = spec.weight_format();
         let a = f.quantize_stacked(e, 2 * i, h, w13)?;
@@ -46,19 +50,24 @@ impl HostWeights {
         self
     }
 
-    /// Check sizes against the spec.
+    /// Check sizes against the spec (its shared experts counted after the routed ones).
     pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
+        check_gate(spec, self.shared_gate.len())?;
+        let spec = &spec.kernel_spec();
         check_sizes(spec, [self.w13.len(), self.w13_scales.len(), self.w2.len(), self.w2_scales.len()])?;
         check_bias(spec, self.w13_bias.len(), self.w2_bias.len())
     }
 
-    /// Row `r` of expert `e`'s `w13` (`r < 2I`), dequantized exactly as the kernels read it.
+    /// Row `r` of expert `e`'s `w13` (`r < 2I`; `e` past the routed experts: a shared one),
+    /// dequantized exactly as the kernels read it.
     pub fn w13_row(&self, spec: &MoeSpec, e: usize, r: usize) -> Vec<f32> {
+        let spec = &spec.kernel_spec();
         let (n, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
         spec.weight_format().dequantize_row(&self.w13, &self.w13_scales, n, n * 2 * i, h, e * 2 * i + r)
     }
     /// Row `r` of expert `e`'s `w2` (`r < H`), dequantized.
     pub fn w2_row(&self, spec: &MoeSpec, e: usize, r: usize) -> Vec<f32> {
+        let spec = &spec.kernel_spec();
         let (n, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
         spec.weight_format().dequantize_row(&self.w2, &self.w2_scales, n, n * h, i, e * h + r)
     }
@@ -80,6 +89,19 @@ fn check_sizes(spec: &MoeSpec, [w13, w13_scales, w2, w2_scales]: [usize; 4]) -> 
     check("w2 bytes", w2, f.data_bytes(e * h, i))?;
     check("w13_scales", w13_scales, f.scale_bytes(e, 2 * i, h))?;
     check("w2_scales", w2_scales, f.scale_bytes(e, h, i))?;
+    Ok(())
+}
+
+/// The shared gate's length: `[H]` for gated shared experts, none otherwise.
+fn check_gate(spec: &MoeSpec, got: usize) -> Result<()> {
+    let expected = if spec.shared_gated() { spec.hidden() as usize } else { 0 };
+    if got != expected {
+        return Err(RuntimeError::Shape {
+            what: "shared_gate",
+            expected: format!("{expected} f32 (gated shared experts: {})", spec.shared_gated()),
+            got: format!("{got}"),
+        });
+    }
     Ok(())
 }
 
@@ -114,6 +136,8 @@ pub struct DeviceWeights {
     pub w2_scales: Option<CudaSlice<u8>>,
     /// `w13_bias` and `w2_bias` (f32) as in [`HostWeights`], for a spec with biases.
     pub bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// [`HostWeights::shared_gate`], for gated shared experts.
+    pub shared_gate: Option<CudaSlice<f32>>,
 }
 
 impl DeviceWeights {
@@ -140,6 +164,7 @@ impl DeviceWeights {
             w2: copy(w2)?,
             w2_scales: w2_scales.map(copy).transpose()?,
             bias: None,
+            shared_gate: None,
         };
         stream.synchronize()?;
         Ok(w)
@@ -147,6 +172,8 @@ impl DeviceWeights {
 
     /// Check sizes against the spec.
     pub fn validate(&self, spec: &MoeSpec) -> Result<()> {
+        check_gate(spec, self.shared_gate.as_ref().map_or(0, |g| g.len()))?;
+        let spec = &spec.kernel_spec();
         let len = |s: &Option<CudaSlice<u8>>| s.as_ref().map_or(0, |s| s.len());
         check_sizes(spec, [self.w13.len(), len(&self.w13_scales), self.w2.len(), len(&self.w2_scales)])?;
         let (b13, b2) = self.bias.as_ref().map_or((0, 0), |(a, b)| (a.len(), b.len()));
@@ -196,12 +223,14 @@ impl Weights<'_> {
                 } else {
                     Some((stream.clone_htod(&w.w13_bias)?, stream.clone_htod(&w.w2_bias)?))
                 };
-                OnDevice { mats: [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?], bias }
+                let shared_gate =
+                    if w.shared_gate.is_empty() { None } else { Some(stream.clone_htod(&w.shared_gate)?) };
+                OnDevice { mats: [up(&w.w13)?, up(&w.w13_scales)?, up(&w.w2)?, up(&w.w2_scales)?], bias, shared_gate }
             }
             Weights::Device(w) => {
                 let w = *w;
                 let mats = [w.w13, w.w13_scales.map_or_else(empty, Ok)?, w.w2, w.w2_scales.map_or_else(empty, Ok)?];
-                OnDevice { mats, bias: w.bias }
+                OnDevice { mats, bias: w.bias, shared_gate: w.shared_gate }
             }
         })
     }
@@ -211,6 +240,7 @@ impl Weights<'_> {
 pub(crate) struct OnDevice {
     pub mats: [CudaSlice<u8>; 4],
     pub bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    pub shared_gate: Option<CudaSlice<f32>>,
 }
 
 /// Buffers from this size on are page-locked for their upload.

@@ -89,6 +89,7 @@ fn caller_owned_bad_input_is_a_typed_error() {
         w2: stream.alloc_zeros(16).unwrap(),
         w2_scales: None,
         bias: None,
+        shared_gate: None,
     };
     assert!(matches!(MoeLayer::load(&dev, spec, short), Err(RuntimeError::Shape { .. })));
     // Ids of the wrong count.

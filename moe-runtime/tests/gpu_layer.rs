@@ -420,3 +420,81 @@ fn routing_from_logits_in_every_family() {
         }
     }
 }
+
+/// Shared experts computed in the step: DeepSeek-V3-shaped (one, weight 1, block fp8, the
+/// group-limited router), Qwen2-MoE's (four of the routed size, gated by sigmoid(x . gate)) and a
+/// decode-only MXFP4 layer, in every family each has, from routing ids (M = 1 to 300, captured
+/// where `forward` picks the family) and from router logits; a caller id naming a shared expert
+/// is refused, not computed.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn shared_experts_match_reference() {
+    use moe_codegen::{GroupLimited, Router};
+    use moe_runtime::reference::route;
+    let dev = gpu();
+    let deepseek = MoeSpec::builder(1024, 256, 64, 6)
+        .weight_format(WeightFormat::Fp8E4m3B128)
+        .build()
+        .and_then(|s| s.with_router(Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5))))
+        .and_then(|s| s.with_shared_experts(1, false))
+        .unwrap();
+    let qwen2 = MoeSpec::builder(2048, 1408, 60, 4).build().and_then(|s| s.with_shared_experts(4, true)).unwrap();
+    let mxfp4 = MoeSpec::builder(512, 256, 32, 4)
+        .weight_format(WeightFormat::Mxfp4)
+        .build()
+        .and_then(|s| s.with_shared_experts(2, true))
+        .unwrap();
+    for spec in [deepseek, qwen2, mxfp4] {
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        let families: Vec<KernelFamily> =
+            KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
+        for &family in &families {
+            for (j, m) in [1usize, 5, 40, 300].into_iter().enumerate() {
+                let how = How { family: Some(family), graph: j % 2 == 1 && family == layer.family_for(m) };
+                let s = seed + m as u64;
+                assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
+            }
+        }
+        // From logits: the routed experts chosen on the device, the shared ones appended.
+        let (h, e, k) = (spec.hidden() as usize, spec.experts() as usize, spec.top_k() as usize);
+        let mut rng = SmallRng::seed_from_u64(seed);
+        for m in [1usize, 40] {
+            layer.reserve(m).unwrap();
+            let s = layer.stream().clone();
+            let x: Vec<f32> =
+                (0..m * h).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
+            let logits: Vec<f32> = (0..m * e).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            let dx = s.clone_htod(&x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
+            let dl = s.clone_htod(&logits).unwrap();
+            let mut y = s.clone_htod(&vec![half::bf16::NAN; m * h]).unwrap();
+            layer.forward_logits(&dx, &dl, &mut y).unwrap();
+            let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
+            let (ids, rw) = route(&spec, &logits, &vec![0.0; e]);
+            let (gids, _) = layer.last_routing(m).unwrap();
+            let sorted = |v: &[i32]| {
+                let mut v = v.to_vec();
+                v.sort();
+                v
+            };
+            let same = (0..m).all(|t| sorted(&gids[t * k..(t + 1) * k]) == sorted(&ids[t * k..(t + 1) * k]));
+            assert!(same, "{} m={m}: routed experts differ from the CPU router", spec.id());
+            let family = layer.family_for(m);
+            let want = if family == KernelFamily::GroupedGemm && fp8(spec.weight_format()) {
+                moe_forward_fp8_acts(&spec, &w, &x, &ids, &rw)
+            } else {
+                moe_forward(&spec, &w, &x, &ids, &rw)
+            };
+            let (rel, cos) = compare(&got, &want);
+            assert_close(&spec, &format!("logits m={m}"), (family, rel, cos));
+        }
+        // A caller's id naming a shared expert (E) is out of range for the routing.
+        let (x, mut ids, rw) = random_step(&spec, 3, 0.0, seed);
+        ids[1] = spec.experts() as i32;
+        layer.set_validate_routing(false);
+        layer.take_routing_errors().unwrap();
+        run_step::<half::bf16>(&layer, &x, &ids, &rw, How { family: Some(KernelFamily::WarpDecode), graph: false });
+        assert!(layer.take_routing_errors().unwrap() >= 1, "{}: an id naming a shared expert was accepted", spec.id());
+    }
+}

@@ -8,7 +8,7 @@ use crate::error::{Result, RuntimeError};
 use crate::families::StepPtrs;
 use crate::launch::{ptr, Kernel};
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::params::{DownParams, GateUpBulkParams, GateUpParams, IdsFromI64Params, RouteParams};
+use moe_codegen::params::{DownParams, ExpandParams, GateUpBulkParams, GateUpParams, IdsFromI64Params, RouteParams};
 use moe_codegen::{
     bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, routing_smem_bytes, DecodeTiles,
     KernelSource, MoeSpec, TOKEN_TILES,
@@ -63,6 +63,8 @@ pub(crate) struct DecodeFamily {
     ids_from_i64: Kernel<IdsFromI64Params>,
     /// The spec's router, for steps from logits (`moe_route`).
     route: Kernel<RouteParams>,
+    /// Appends the shared experts' slots to a step's routing (`moe_expand_routing`).
+    expand: Kernel<ExpandParams>,
     /// The most tokens one launch routes (its shared memory, its 32-bit indices, the
     /// intermediate's cap); larger steps run as consecutive launches of at most this many.
     chunk: usize,
@@ -98,6 +100,7 @@ impl DecodeFamily {
         // In eager_entries' order, each with the parameter struct its signature declares.
         let ids_from_i64 = Kernel::new(next());
         let route = Kernel::new(next());
+        let expand = Kernel::new(next());
         let down_f = Kernel::new(next());
         let stash_f = Kernel::new(next());
         let mut tiles = Vec::new();
@@ -151,6 +154,7 @@ impl DecodeFamily {
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
             route,
+            expand,
             chunk,
         })
     }
@@ -159,7 +163,7 @@ impl DecodeFamily {
     /// down, down with the stash, gate_up for every token tile and the bulk pair where it fits.
     pub fn eager_entries(spec: &MoeSpec, src: &KernelSource, max_smem: u32) -> Vec<String> {
         use moe_codegen::render::decode_entry::*;
-        let mut names: Vec<String> = [IDS_FROM_I64, ROUTE, DOWN, DOWN_STASH].map(String::from).into();
+        let mut names: Vec<String> = [IDS_FROM_I64, ROUTE, EXPAND_ROUTING, DOWN, DOWN_STASH].map(String::from).into();
         names.extend(TOKEN_TILES.iter().map(|&t| gate_up(t)));
         if let Some(dt) = src.decode_tiles {
             let (gu_smem, dn_smem) = bulk_smem_bytes(spec, &dt);
@@ -196,6 +200,25 @@ impl DecodeFamily {
         let grid = m.div_ceil((threads / 32) as usize) as u32;
         let p = RouteParams { logits, bias, m: m as i32, topk_ids: ids, topk_weights: weights };
         unsafe { self.route.launch(stream, (grid, threads, 0), false, p) }
+    }
+
+    /// `[m, k]` routing (`ids`, `weights`) widened into `[m, k + S]` at `dst_ids` / `dst_weights`
+    /// with the shared experts' slots (weights from `x` and `gate` where gated), on `stream`
+    /// after the work before it (a plain launch, as `narrow_ids`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn expand(
+        &self,
+        stream: &CudaStream,
+        m: usize,
+        (ids, weights): (u64, u64),
+        x: u64,
+        gate: u64,
+        (dst_ids, dst_weights): (u64, u64),
+    ) -> Result<()> {
+        let threads = moe_codegen::grouped::ROUTE_THREADS;
+        let grid = m.div_ceil((threads / 32) as usize) as u32;
+        let p = ExpandParams { ids_in: ids, weights_in: weights, x, gate, dst_ids, dst_weights, m: m as i32 };
+        unsafe { self.expand.launch(stream, (grid, threads, 0), false, p) }
     }
 
     /// The most tokens one launch takes.
