@@ -297,6 +297,8 @@ fn random_spec(rng: &mut SmallRng, arch: Arch) -> MoeSpec {
         let act = ActDtype::ALL[rng.random_range(0..2)];
         let activation = Activation::ALL[rng.random_range(0..Activation::ALL.len())];
         let bias = rng.random_bool(0.3);
+        let shared = if rng.random_bool(0.3) { rng.random_range(1..=3u32) } else { 0 };
+        let shared_gated = shared > 0 && rng.random_bool(0.5);
         let experts = rng.random_range(1..=72u32);
         let top_k = rng.random_range(1..=experts.min(8));
         let hidden = 64 * rng.random_range(1..=24u32);
@@ -307,7 +309,8 @@ fn random_spec(rng: &mut SmallRng, arch: Arch) -> MoeSpec {
             .act_dtype(act)
             .activation(activation)
             .bias(bias)
-            .build();
+            .build()
+            .and_then(|s| s.with_shared_experts(shared, shared_gated));
         match built {
             Ok(spec) => return spec,
             // Typed by construction; the message must still say what was wrong.
