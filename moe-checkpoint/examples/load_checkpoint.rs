@@ -6,7 +6,9 @@
 //! there too, from the router logits), checks it against the reference, and prints the kernel
 //! family the step took and the layer's latency (CUDA-graph replay). gpt-oss runs like the others:
 //! its spec has the clamped SwiGLU (`swiglu_oai`) and per-expert biases, its router logits the
-//! router bias; a spec with biases runs warp decode at every step size.
+//! router bias; a spec with biases runs warp decode at every step size. Shared experts
+//! (DeepSeek-V3, Kimi-K2, Qwen2-MoE) are in the layer and computed in the same step, from the
+//! routed routing alone.
 //!
 //! `cargo run --release -p moe-checkpoint --example load_checkpoint -- --model DIR --layer N [--tokens M]`
 
@@ -63,9 +65,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             if l.router.logit_bias.is_some() { ", router logit bias" } else { "" }
         );
     }
-    if let Some(s) = &l.shared {
-        let how = if s.gate.is_some() { "weight sigmoid(gate . x)" } else { "weight 1" };
-        println!("shared expert: spec {} ({how}, run as a second layer)", s.spec.id());
+    if l.spec.shared_experts() > 0 {
+        let how = if l.spec.shared_gated() { "weight sigmoid(shared_gate . x)" } else { "weight 1" };
+        println!(
+            "{} shared experts of intermediate {} after the {} routed ones ({how}), computed in the step",
+            l.spec.shared_experts(),
+            l.spec.intermediate(),
+            l.spec.experts()
+        );
     }
 
     let (h, m) = (l.spec.hidden() as usize, args.tokens as usize);
@@ -76,12 +83,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let bias = l.router.correction_bias.clone().unwrap_or_else(|| vec![0.0; l.spec.experts() as usize]);
     let (ids, w) = route(&l.spec, &logits, &bias);
     let t = std::time::Instant::now();
-    let mut want = moe_forward(&l.spec, &l.weights, &x, &ids, &w);
-    let shared_w = shared_weights(&l, &x);
-    if let Some(s) = &l.shared {
-        let ys = moe_forward(&s.spec, &s.weights, &x, &vec![0; m], &shared_w);
-        want.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
-    }
+    // The routed routing [M, k]: the reference appends the shared experts itself.
+    let want = moe_forward(&l.spec, &l.weights, &x, &ids, &w);
     let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
     println!(
         "CPU f64 reference, {m} tokens in {:.0} ms: token 0 -> experts {:?} weights {:?}; output rms {rms:.4e}, y[0][..4] {:?}",
@@ -100,23 +103,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     println!("device: {} ({})", dev.name(), dev.arch());
     match act {
-        moe_codegen::ActDtype::Bf16 => on_gpu::<half::bf16>(&dev, &l, &x, &logits, &shared_w, &want),
-        moe_codegen::ActDtype::Fp16 => on_gpu::<half::f16>(&dev, &l, &x, &logits, &shared_w, &want),
-    }
-}
-
-/// The shared expert's per-token weights: 1, or Qwen2-MoE's `sigmoid(gate . x)`.
-fn shared_weights(l: &LoadedLayer, x: &[f32]) -> Vec<f32> {
-    let h = l.spec.hidden() as usize;
-    match l.shared.as_ref().and_then(|s| s.gate.as_ref()) {
-        None => vec![1.0; x.len() / h],
-        Some(g) => x
-            .chunks(h)
-            .map(|t| {
-                let d: f64 = g.iter().zip(t).map(|(&a, &b)| a as f64 * b as f64).sum();
-                (1.0 / (1.0 + (-d).exp())) as f32
-            })
-            .collect(),
+        moe_codegen::ActDtype::Bf16 => on_gpu::<half::bf16>(&dev, &l, &x, &logits, &want),
+        moe_codegen::ActDtype::Fp16 => on_gpu::<half::f16>(&dev, &l, &x, &logits, &want),
     }
 }
 
@@ -126,40 +114,31 @@ fn on_gpu<T: ActElem>(
     l: &LoadedLayer,
     x: &[f32],
     logits: &[f32],
-    shared_w: &[f32],
     want: &[f64],
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let m = shared_w.len();
+    let m = x.len() / l.spec.hidden() as usize;
     let t = std::time::Instant::now();
     let mut layer = MoeLayer::load(dev, l.spec, &l.weights)?;
     if let Some(b) = &l.router.correction_bias {
         layer.set_router_bias(b)?;
     }
     layer.reserve(m)?;
-    let shared = l.shared.as_ref().map(|s| MoeLayer::load(dev, s.spec, &s.weights)).transpose()?;
     println!("uploaded and compiled in {:.2} s", t.elapsed().as_secs_f64());
     let s = layer.stream().clone();
     let xs: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
     let (dx, dl) = (s.clone_htod(&xs)?, s.clone_htod(logits)?);
     let mut y = s.clone_htod(&vec![T::from_f32(0.0); xs.len()])?;
     layer.forward_logits(&dx, &dl, &mut y)?;
-    let mut got: Vec<f32> = s.clone_dtoh(&y)?.into_iter().map(T::to_f32).collect();
-    if let Some(sh) = &shared {
-        let ss = sh.stream().clone();
-        let (dx, ids, dw) = (ss.clone_htod(&xs)?, ss.clone_htod(&vec![0i32; m])?, ss.clone_htod(shared_w)?);
-        let mut ys = ss.clone_htod(&vec![T::from_f32(0.0); xs.len()])?;
-        sh.forward(&dx, &ids, &dw, &mut ys)?;
-        got.iter_mut().zip(ss.clone_dtoh(&ys)?).for_each(|(a, b)| *a += b.to_f32());
-    }
+    let got: Vec<f32> = s.clone_dtoh(&y)?.into_iter().map(T::to_f32).collect();
     let (rel, cos) = compare(&got, want);
     println!("GPU step vs CPU reference: rel L2 {rel:.2e}, cosine {cos:.8}");
     if rel > MAX_REL_L2 {
         return Err(format!("the GPU step does not match the reference (rel L2 {rel:.2e} > {MAX_REL_L2:.0e})").into());
     }
-    // The family moe_runtime::dispatch picks for this step size, and the routed layer's latency.
+    // The family moe_runtime::dispatch picks for this step size, and the layer's latency.
     let family = layer.family_for(m);
     let graph = capture(&s, || layer.forward_logits(&dx, &dl, &mut y))?;
     let us = time_graph(&s, &graph, 100)?;
-    println!("routed layer, M = {m}: family {family}, {us:.2} us per step (router on the device included)");
+    println!("layer, M = {m}: family {family}, {us:.2} us per step (router and shared experts included)");
     Ok(())
 }

@@ -91,7 +91,8 @@ pub enum Quantization {
     Mxfp4,
 }
 
-/// A shared expert every token goes through beside the routed ones.
+/// A shared expert every token goes through beside the routed ones. The loaded layer holds it
+/// as `intermediate / ModelConfig::intermediate` shared experts of the routed size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedConfig {
     /// Its intermediate size (DeepSeek: `moe_intermediate_size * n_shared_experts`; Qwen2-MoE:

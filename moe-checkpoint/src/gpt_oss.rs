@@ -88,7 +88,7 @@ pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize) -> Result<Loa
         correction_bias: None,
         logit_bias: Some(store.floats(&format!("{p}.router.bias"), &[e])?),
     };
-    Ok(LoadedLayer { model: cfg.model, layer, spec, weights, router, shared: None })
+    Ok(LoadedLayer { model: cfg.model, layer, spec, weights, router })
 }
 
 /// The interleaved output (of `gate_up`) that is row `r` of moeforge's gate-first `[2I, H]`:

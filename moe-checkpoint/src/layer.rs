@@ -3,12 +3,12 @@
 //! each family (as in transformers' modeling files and the published checkpoints), then the
 //! experts stacked into `w13` / `w2`.
 
-use crate::config::{ModelConfig, ModelKind};
-use crate::error::Result;
-use crate::proj::{Proj, Storage};
+use crate::config::{ModelConfig, ModelKind, SharedConfig};
+use crate::error::{CheckpointError, Result};
+use crate::proj::{split_refusal, Proj, Storage};
 use crate::store::Store;
-use crate::{LoadedLayer, RouterWeights, SharedExpert};
-use moe_codegen::{MoeSpec, Router};
+use crate::{LoadedLayer, RouterWeights};
+use moe_codegen::{MoeSpec, WeightFormat};
 use moe_runtime::HostWeights;
 
 /// Tensor name prefixes of one layer.
@@ -66,43 +66,92 @@ fn names(model: ModelKind, layer: usize) -> Names {
     }
 }
 
-/// Read layer `layer` (a MoE layer of a per-expert family: checked by the caller).
+/// Read layer `layer` (a MoE layer of a per-expert family: checked by the caller). A shared
+/// expert becomes `n` more experts of the routed intermediate size after the routed ones, `n`
+/// being its intermediate over the routed one (its gate / up rows and down columns cut into
+/// chunks of that size, which sum to its output), computed in the same step.
 pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize) -> Result<LoadedLayer> {
     let n = names(cfg.model, layer);
-    let (h, e) = (cfg.hidden as usize, cfg.experts as usize);
+    let (h, e, i) = (cfg.hidden as usize, cfg.experts as usize, cfg.intermediate as usize);
     let storage = Storage::detect(cfg.quant, store, &format!("{}.0.{}", n.experts, n.proj[0]), cfg.model.model_type())?;
     let format = storage.format();
-    // The spec first: a geometry moeforge cannot hold is refused before any tensor is read.
-    let spec = MoeSpec::builder(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k)
+    // The spec first: a geometry moeforge cannot hold is refused before any tensor is read (the
+    // routed experts' first, then the shared expert's split).
+    let mut spec = MoeSpec::builder(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k)
         .weight_format(format)
         .build()?
         .with_router(cfg.router)?;
+    let shared = match (cfg.shared, &n.shared) {
+        (Some(sc), Some(prefix)) => Some((sc, prefix, shared_count(cfg, sc, format)?)),
+        _ => None,
+    };
+    if let Some((sc, _, count)) = shared {
+        spec = spec.with_shared_experts(count, sc.gated)?;
+    }
     let prefixes: Vec<String> = (0..e).map(|x| format!("{}.{x}", n.experts)).collect();
-    let weights = stack(store, storage, &prefixes, n.proj, h, cfg.intermediate as usize)?;
+    let mut weights = stack(store, storage, &prefixes, n.proj, h, i)?;
+    if let Some((sc, prefix, count)) = shared {
+        let si = sc.intermediate as usize;
+        let [g, u, d] = expert(store, storage, prefix, n.proj, h, si)?;
+        for j in 0..count as usize {
+            let chunk = [g.rows(format, h, j * i, i), u.rows(format, h, j * i, i), d.cols(format, h, si, j * i, i)];
+            push(&mut weights, chunk);
+        }
+        if let (true, Some(name)) = (sc.gated, &n.shared_gate) {
+            // Qwen2-MoE's shared_expert_gate [1, H]: every shared slot weighs sigmoid(x . gate).
+            weights.shared_gate = store.floats(name, &[1, h])?;
+        }
+    }
     let router = RouterWeights {
         hidden: h,
         gate: store.floats(&n.router, &[e, h])?,
         correction_bias: n.correction_bias.as_deref().map(|b| store.floats(b, &[e])).transpose()?,
         logit_bias: None,
     };
-    let shared = match (cfg.shared, &n.shared) {
-        (Some(sc), Some(prefix)) => {
-            // One expert, top-1: the caller runs it as a second layer with ids 0 and weight 1
-            // (Qwen2-MoE: weight sigmoid(gate . x) per token).
-            let spec = MoeSpec::builder(cfg.hidden, sc.intermediate, 1, 1)
-                .weight_format(format)
-                .build()?
-                .with_router(Router::Softmax { renormalize: true })?;
-            let weights = stack(store, storage, std::slice::from_ref(prefix), n.proj, h, sc.intermediate as usize)?;
-            let gate = match (&n.shared_gate, sc.gated) {
-                (Some(g), true) => Some(store.floats(g, &[1, h])?),
-                _ => None,
-            };
-            Some(SharedExpert { spec, weights, gate })
-        }
-        _ => None,
+    Ok(LoadedLayer { model: cfg.model, layer, spec, weights, router })
+}
+
+/// How many experts of the routed intermediate size the shared expert makes: its intermediate
+/// must be a multiple of the routed one, cut keeping whole blocks / groups of `format`.
+fn shared_count(cfg: &ModelConfig, sc: SharedConfig, format: WeightFormat) -> Result<u32> {
+    let (si, i) = (sc.intermediate, cfg.intermediate);
+    let unsupported = |why: String| CheckpointError::Unsupported {
+        model: cfg.model.model_type().to_string(),
+        feature: format!("a shared expert of intermediate {si} with routed experts of intermediate {i} ({why})"),
     };
-    Ok(LoadedLayer { model: cfg.model, layer, spec, weights, router, shared })
+    if si % i != 0 {
+        return Err(unsupported(format!(
+            "{si} is not a multiple of {i}: it is computed as {si} / {i} experts of the routed size"
+        )));
+    }
+    if let Some(why) = split_refusal(format, i as usize) {
+        return Err(unsupported(why));
+    }
+    Ok(si / i)
+}
+
+/// Expert `p`'s gate, up (`[i, h]`) and down (`[h, i]`) projections.
+fn expert(
+    store: &Store,
+    storage: Storage,
+    p: &str,
+    [gate, up, down]: [&str; 3],
+    h: usize,
+    i: usize,
+) -> Result<[Proj; 3]> {
+    Ok([
+        storage.load(store, &format!("{p}.{gate}"), i, h)?,
+        storage.load(store, &format!("{p}.{up}"), i, h)?,
+        storage.load(store, &format!("{p}.{down}"), h, i)?,
+    ])
+}
+
+/// Append one expert to `w13` (gate then up) and `w2`.
+fn push(w: &mut HostWeights, [g, u, d]: [Proj; 3]) {
+    w.w13.extend(g.data.into_iter().chain(u.data));
+    w.w13_scales.extend(g.scales.into_iter().chain(u.scales));
+    w.w2.extend(d.data);
+    w.w2_scales.extend(d.scales);
 }
 
 /// `w13` (each expert's gate then up projection) and `w2` (down) of the experts at `prefixes`,
@@ -111,31 +160,23 @@ fn stack(
     store: &Store,
     storage: Storage,
     prefixes: &[String],
-    [gate, up, down]: [&str; 3],
+    proj: [&str; 3],
     h: usize,
     i: usize,
 ) -> Result<HostWeights> {
-    let expert = |p: &String| -> Result<[Proj; 3]> {
-        Ok([
-            storage.load(store, &format!("{p}.{gate}"), i, h)?,
-            storage.load(store, &format!("{p}.{up}"), i, h)?,
-            storage.load(store, &format!("{p}.{down}"), h, i)?,
-        ])
-    };
     let threads = std::thread::available_parallelism().map(|t| t.get()).unwrap_or(1).min(prefixes.len()).max(1);
     let chunk = prefixes.len().div_ceil(threads);
     let parts: Vec<Result<Vec<[Proj; 3]>>> = std::thread::scope(|sc| {
-        let workers: Vec<_> =
-            prefixes.chunks(chunk).map(|ps| sc.spawn(move || ps.iter().map(expert).collect())).collect();
+        let workers: Vec<_> = prefixes
+            .chunks(chunk)
+            .map(|ps| sc.spawn(move || ps.iter().map(|p| expert(store, storage, p, proj, h, i)).collect()))
+            .collect();
         workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     });
     let mut w = HostWeights::default();
     for part in parts {
-        for [g, u, d] in part? {
-            w.w13.extend(g.data.into_iter().chain(u.data));
-            w.w13_scales.extend(g.scales.into_iter().chain(u.scales));
-            w.w2.extend(d.data);
-            w.w2_scales.extend(d.scales);
+        for x in part? {
+            push(&mut w, x);
         }
     }
     Ok(w)

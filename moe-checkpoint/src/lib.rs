@@ -17,8 +17,10 @@
 //! What loads ([`load_layer`]): Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral (bf16 / fp16, or GPTQ /
 //! AWQ int4), DeepSeek-V3 and Kimi-K2 (block FP8, or any of the above storages), gpt-oss (MXFP4,
 //! or bf16 / fp16: its clamped SwiGLU `swiglu_oai`, per-expert biases and router bias). Shared
-//! experts come back beside the routed layer as a one-expert layer ([`SharedExpert`]) that the
-//! caller adds. `docs/checkpoints.md` has the tensor names and everything refused.
+//! experts (DeepSeek-V3, Kimi-K2, Qwen2-MoE) are in the layer: its spec has them
+//! (`MoeSpec::with_shared_experts`) and its weights stack them after the routed experts, so one
+//! step computes routed and shared experts from the routed routing `[M, k]`.
+//! `docs/checkpoints.md` has the tensor names and everything refused.
 //!
 //! Nothing is downloaded: fetching the snapshot is the caller's business.
 
@@ -69,21 +71,6 @@ impl RouterWeights {
     }
 }
 
-/// A shared expert that every token goes through, beside the routed experts: a one-expert,
-/// top-1 spec in the routed experts' format. Run it as a second layer with `topk_ids` 0 and
-/// `topk_weights` 1 (or, where `gate` is set, `sigmoid(gate . x)` per token) and add its output
-/// to the routed layer's. Computing it inside the routed layer's step is later work.
-#[derive(Debug, Clone)]
-pub struct SharedExpert {
-    /// `experts = 1`, `top_k = 1`, intermediate the shared expert's.
-    pub spec: MoeSpec,
-    /// Its `w13` / `w2` in the spec's layout.
-    pub weights: HostWeights,
-    /// Qwen2-MoE: `shared_expert_gate.weight [H]`: the token's weight is `sigmoid(gate . x)`.
-    /// `None` (DeepSeek-V3): weight 1.
-    pub gate: Option<Vec<f32>>,
-}
-
 /// One MoE layer of a checkpoint, in moeforge's layout.
 #[derive(Debug, Clone)]
 pub struct LoadedLayer {
@@ -91,16 +78,21 @@ pub struct LoadedLayer {
     pub model: ModelKind,
     /// The layer index.
     pub layer: usize,
-    /// Geometry, format (the checkpoint's, mapped exactly), activation, biases (gpt-oss) and
-    /// router (the model's formula).
+    /// Geometry, format (the checkpoint's, mapped exactly), activation, biases (gpt-oss), router
+    /// (the model's formula) and shared experts (DeepSeek-V3 / Kimi-K2: `n_shared_experts`,
+    /// weight 1; Qwen2-MoE: `shared_expert_intermediate_size / moe_intermediate_size`, gated:
+    /// `spec.shared_experts()`, `spec.shared_gated()`), computed in the same step.
     pub spec: MoeSpec,
-    /// The routed experts: `w13 [E, 2I, H]` gate rows first, `w2 [E, H, I]`; gpt-oss: with
-    /// `w13_bias [E, 2I]` (gate first) and `w2_bias [E, H]`.
+    /// The experts: `w13 [E + S, 2I, H]` gate rows first, `w2 [E + S, H, I]`, the `S` shared
+    /// experts after the `E` routed ones (the model's shared expert cut along its intermediate
+    /// dimension into `S` experts of the routed size `I`: gate / up rows and down columns in
+    /// chunks of `I`, whose outputs sum to its output); Qwen2-MoE: `shared_gate [H]` (the
+    /// shared experts weigh `sigmoid(x . shared_gate)` per token); gpt-oss: `w13_bias [E, 2I]`
+    /// (gate first) and `w2_bias [E, H]`.
     pub weights: HostWeights,
-    /// The router's weights.
+    /// The router's weights (`[E, H]`: the routed experts only; the layer appends the shared
+    /// experts to every token's routing).
     pub router: RouterWeights,
-    /// The shared expert, where the model has one: its output must be added (see [`SharedExpert`]).
-    pub shared: Option<SharedExpert>,
 }
 
 /// The model's `config.json`, parsed and checked (nothing else is read).

@@ -201,3 +201,34 @@ fn fp8_scale_of_the_wrong_dtype_or_shape() {
         e => panic!("{e:?}"),
     }
 }
+
+#[test]
+fn shared_expert_not_a_multiple_of_the_routed_intermediate() {
+    // Qwen2-MoE's shared expert of 192 beside routed experts of 128: not whole experts.
+    let mut ck = model(ModelKind::Qwen2Moe, Store::Bf16, 8, 2, 27).ck;
+    ck.config["shared_expert_intermediate_size"] = json!(192);
+    match load(&ck, 1, 1) {
+        CheckpointError::Unsupported { model, feature } => {
+            assert_eq!(model, "qwen2_moe");
+            assert!(feature.contains("192") && feature.contains("128"), "{feature}");
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn shared_experts_past_the_top_k_limit_or_missing() {
+    // 40 shared experts of 128 beside top-4: top_k + shared > 32, the spec's limit.
+    let mut ck = model(ModelKind::DeepseekV3, Store::Bf16, 16, 4, 28).ck;
+    ck.config["n_shared_experts"] = json!(40);
+    assert!(matches!(load(&ck, 1, 1), CheckpointError::Spec(moe_codegen::SpecError::TooLarge { .. })));
+    // Qwen2-MoE's gate tensor, and DeepSeek's shared down_proj, are named when missing.
+    for (kind, name) in [
+        (ModelKind::Qwen2Moe, "model.layers.1.mlp.shared_expert_gate.weight"),
+        (ModelKind::DeepseekV3, "model.layers.1.mlp.shared_experts.down_proj.weight"),
+    ] {
+        let mut ck = model(kind, Store::Bf16, 16, 4, 29).ck;
+        ck.remove(name);
+        assert!(matches!(load(&ck, 1, 1), CheckpointError::MissingTensor { tensor, .. } if tensor == name));
+    }
+}

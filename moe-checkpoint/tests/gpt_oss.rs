@@ -29,7 +29,7 @@ fn check(m: &GptOss, shards: usize, format: WeightFormat) -> LoadedLayer {
         (l.spec.hidden() as usize, l.spec.intermediate() as usize, l.spec.experts() as usize, l.spec.top_k() as usize),
         (m.h, m.i, m.e, m.k)
     );
-    assert!(l.shared.is_none() && l.router.correction_bias.is_none());
+    assert!(l.spec.shared_experts() == 0 && l.router.correction_bias.is_none());
     assert_eq!(l.weights.validate(&l.spec).map_err(|e| e.to_string()), Ok(()));
     let x = tokens(&mut rng(99), 16, m.h);
     let (got, ids) = loaded_output(&l, &x);

@@ -1,7 +1,8 @@
-//! Loaded checkpoints on a real GPU: `MoeLayer::load` of each family's loaded layer (and its
-//! shared expert as a second one-expert layer), routed on the device from the loaded router's
-//! logits (`forward_logits`, DeepSeek's correction bias set), against the f64 model formula on
-//! the written tensors. gpt-oss (MXFP4 and bf16: clamped SwiGLU, per-expert biases, router bias)
+//! Loaded checkpoints on a real GPU: `MoeLayer::load` of each family's loaded layer, shared
+//! experts included (DeepSeek-V3 / Kimi-K2 weight 1, Qwen2-MoE's gated ones: one layer, one
+//! step, no second layer), routed on the device from the loaded router's logits
+//! (`forward_logits`, DeepSeek's correction bias set), against the f64 model formula on the
+//! written tensors at M = 1, 8 and 40. gpt-oss (MXFP4 and bf16: clamped SwiGLU, per-expert biases, router bias)
 //! runs at M = 1, 8 and 40, warp decode at every step size (a spec with biases).
 //! Ignored without a GPU; fails (never passes) when none is found.
 //!
@@ -20,8 +21,8 @@ fn gpu() -> Device {
     Device::new(0).unwrap_or_else(|e| panic!("this test needs an NVIDIA GPU: {e}"))
 }
 
-/// One step of `l` (routed layer plus shared expert) on the device, as f32, and the family the
-/// routed layer took.
+/// One step of `l` (routed and shared experts together) on the device, as f32, and the family
+/// the step took.
 fn step(dev: &Device, l: &LoadedLayer, x: &[f32]) -> (Vec<f32>, moe_codegen::KernelFamily) {
     let h = l.spec.hidden() as usize;
     let m = x.len() / h;
@@ -33,28 +34,11 @@ fn step(dev: &Device, l: &LoadedLayer, x: &[f32]) -> (Vec<f32>, moe_codegen::Ker
     let s = layer.stream().clone();
     let xs: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
     let dx = s.clone_htod(&xs).unwrap();
+    // Logits [M, E] over the routed experts only: the layer appends the shared ones.
     let dl = s.clone_htod(&l.router.logits(x)).unwrap();
     let mut y = s.alloc_zeros::<half::bf16>(m * h).unwrap();
     layer.forward_logits(&dx, &dl, &mut y).unwrap();
-    let mut out: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
-    if let Some(sh) = &l.shared {
-        // The shared expert as a one-expert layer: ids 0, weight 1 or sigmoid(gate . x).
-        let shared = MoeLayer::load(dev, sh.spec, &sh.weights).unwrap();
-        let ss = shared.stream().clone();
-        let w: Vec<f32> = match &sh.gate {
-            None => vec![1.0; m],
-            Some(g) => {
-                x.chunks(h).map(|t| sigmoid(g.iter().zip(t).map(|(&a, &b)| a as f64 * b as f64).sum()) as f32).collect()
-            }
-        };
-        let (dx, ids, dw) =
-            (ss.clone_htod(&xs).unwrap(), ss.clone_htod(&vec![0i32; m]).unwrap(), ss.clone_htod(&w).unwrap());
-        let mut ys = ss.alloc_zeros::<half::bf16>(m * h).unwrap();
-        shared.forward(&dx, &ids, &dw, &mut ys).unwrap();
-        for (o, v) in out.iter_mut().zip(ss.clone_dtoh(&ys).unwrap()) {
-            *o += v.to_f32();
-        }
-    }
+    let out: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
     (out, layer.family_for(m))
 }
 
@@ -62,28 +46,34 @@ fn step(dev: &Device, l: &LoadedLayer, x: &[f32]) -> (Vec<f32>, moe_codegen::Ker
 #[ignore = "needs an NVIDIA GPU"]
 fn loaded_checkpoints_run_on_the_gpu() {
     let dev = gpu();
+    // The last field: the shared expert's intermediate over the routed one (Qwen2-MoE's
+    // shared_expert_intermediate_size / moe_intermediate_size, DeepSeek's n_shared_experts).
     let cases = [
-        (ModelKind::Qwen3Moe, Store::Bf16, 8, 2),
-        (ModelKind::Qwen2Moe, Store::Bf16, 8, 2),
-        (ModelKind::Mixtral, Store::Gptq { g: 32, sym: false, g_idx: true }, 8, 2),
-        (ModelKind::Qwen3Moe, Store::Gptq { g: 128, sym: true, g_idx: false }, 8, 2),
-        (ModelKind::Olmoe, Store::Awq { g: 64 }, 8, 2),
-        (ModelKind::DeepseekV3, Store::Fp8, 16, 4),
+        (ModelKind::Qwen3Moe, Store::Bf16, 8, 2, 0),
+        (ModelKind::Qwen2Moe, Store::Bf16, 8, 2, 2),
+        (ModelKind::Qwen2Moe, Store::Bf16, 8, 2, 4),
+        (ModelKind::Mixtral, Store::Gptq { g: 32, sym: false, g_idx: true }, 8, 2, 0),
+        (ModelKind::Qwen3Moe, Store::Gptq { g: 128, sym: true, g_idx: false }, 8, 2, 0),
+        (ModelKind::Olmoe, Store::Awq { g: 64 }, 8, 2, 0),
+        (ModelKind::DeepseekV3, Store::Fp8, 16, 4, 1),
+        (ModelKind::DeepseekV3, Store::Fp8, 16, 4, 2),
+        (ModelKind::KimiK2, Store::Fp8, 16, 4, 1),
     ];
-    for (n, (kind, store, e, k)) in cases.into_iter().enumerate() {
-        let m = model(kind, store, e, k, 100 + n as u64);
+    for (n, (kind, store, e, k, shared)) in cases.into_iter().enumerate() {
+        let m = model_shared(kind, store, e, k, 100 + n as u64, shared);
         let dir = tempfile::tempdir().unwrap();
         m.ck.write(dir.path(), 2);
         let l = load_layer(dir.path(), LAYER).unwrap();
-        for tokens_m in [1usize, 8] {
+        assert_eq!(l.spec.shared_experts() as usize, shared, "{kind:?}");
+        for tokens_m in [1usize, 8, 40] {
             let x = tokens(&mut rng(7 + tokens_m as u64), tokens_m, m.h);
             let (got, family) = step(&dev, &l, &x);
             let got: Vec<f64> = got.into_iter().map(|v| v as f64).collect();
             let (want, _) = m.reference(&x);
             let rel = rel_l2(&got, &want);
-            println!("{kind:?} {} m={tokens_m} {family}: rel_l2 {rel:.2e}", l.spec.weight_format());
+            println!("{kind:?} {} shared {shared} m={tokens_m} {family}: rel_l2 {rel:.2e}", l.spec.weight_format());
             // bf16 output rounding and f32 sums on the device (the decode family's tolerance).
-            assert!(rel < 1e-2, "{kind:?} m={tokens_m}: rel_l2 {rel:e}");
+            assert!(rel < 1e-2, "{kind:?} shared {shared} m={tokens_m}: rel_l2 {rel:e}");
         }
     }
 }

@@ -317,27 +317,14 @@ pub fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
 // ---- the loaded layer's output, through moeforge's CPU reference ----
 
 /// The loaded layer on `x [M, H]`: routing from `router.logits` by moe-runtime's CPU router (the
-/// spec's router, with DeepSeek's correction bias), the routed experts by the f64 reference on
-/// the loaded weights, plus the shared expert run as a one-expert layer (weight 1, or Qwen2-MoE's
-/// `sigmoid(gate . x)`).
+/// spec's router, with DeepSeek's correction bias), then the f64 reference on the loaded
+/// weights with that routed routing `[M, k]` only: `moe_forward` appends the spec's shared
+/// experts (weight 1, or Qwen2-MoE's `sigmoid(shared_gate . x)`) itself.
 pub fn loaded_output(l: &moe_checkpoint::LoadedLayer, x: &[f32]) -> (Vec<f64>, Vec<i32>) {
     use moe_runtime::reference::{moe_forward, route};
-    let h = l.spec.hidden() as usize;
-    let m = x.len() / h;
     let logits = l.router.logits(x);
     let bias = l.router.correction_bias.clone().unwrap_or_else(|| vec![0.0; l.spec.experts() as usize]);
     let (ids, w) = route(&l.spec, &logits, &bias);
-    let mut y = moe_forward(&l.spec, &l.weights, x, &ids, &w);
-    if let Some(s) = &l.shared {
-        let sw: Vec<f32> = match &s.gate {
-            None => vec![1.0; m],
-            Some(g) => x
-                .chunks(h)
-                .map(|xt| sigmoid(g.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum()) as f32)
-                .collect(),
-        };
-        let ys = moe_forward(&s.spec, &s.weights, x, &vec![0; m], &sw);
-        y.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
-    }
-    (y, ids)
+    assert_eq!(ids.len(), x.len() / l.spec.hidden() as usize * l.spec.top_k() as usize);
+    (moe_forward(&l.spec, &l.weights, x, &ids, &w), ids)
 }

@@ -115,8 +115,17 @@ pub struct Model {
 pub const LAYER: usize = 1;
 
 /// A two-layer model of `kind` whose layer 1 is MoE: `e` experts, top-`k`, hidden 256,
-/// intermediate 128, expert weights stored as `s`.
+/// intermediate 128, expert weights stored as `s`; Qwen2-MoE's shared expert twice the routed
+/// intermediate, DeepSeek-V3 / Kimi-K2's one shared expert.
 pub fn model(kind: ModelKind, s: Store, e: usize, k: usize, seed: u64) -> Model {
+    let shared = if kind == ModelKind::Qwen2Moe { 2 } else { 1 };
+    model_shared(kind, s, e, k, seed, shared)
+}
+
+/// [`model`] with a shared expert `shared` times the routed intermediate: Qwen2-MoE's
+/// `shared_expert_intermediate_size`, DeepSeek-V3 / Kimi-K2's `n_shared_experts` (one MLP of
+/// `n_shared_experts * moe_intermediate_size`, as DeepseekV3MoE builds it).
+pub fn model_shared(kind: ModelKind, s: Store, e: usize, k: usize, seed: u64, shared: usize) -> Model {
     let (h, i) = (256usize, 128usize);
     let mut r = rng(seed);
     let p = format!("model.layers.{LAYER}");
@@ -143,7 +152,7 @@ pub fn model(kind: ModelKind, s: Store, e: usize, k: usize, seed: u64) -> Model 
                     c.insert("decoder_sparse_step".into(), json!(1));
                     c.insert("mlp_only_layers".into(), json!([]));
                     if kind == ModelKind::Qwen2Moe {
-                        c.insert("shared_expert_intermediate_size".into(), json!(2 * i));
+                        c.insert("shared_expert_intermediate_size".into(), json!(shared * i));
                     }
                 }
                 _ => {
@@ -157,7 +166,7 @@ pub fn model(kind: ModelKind, s: Store, e: usize, k: usize, seed: u64) -> Model 
                         ("topk_group", json!(topk_groups)),
                         ("norm_topk_prob", json!(true)),
                         ("routed_scaling_factor", json!(scaling)),
-                        ("n_shared_experts", json!(1)),
+                        ("n_shared_experts", json!(shared)),
                         ("first_k_dense_replace", json!(1)),
                         ("moe_layer_freq", json!(1)),
                         ("scoring_func", json!("sigmoid")),
@@ -198,14 +207,14 @@ pub fn model(kind: ModelKind, s: Store, e: usize, k: usize, seed: u64) -> Model 
             let name = format!("{p}.mlp.gate.e_score_correction_bias");
             ck.f32(name.clone(), &[e], &b);
             bias = ck.floats(&name);
-            Some((write_expert(&mut ck, &mut r, &format!("{p}.mlp.shared_experts"), i), i, None))
+            Some((write_expert(&mut ck, &mut r, &format!("{p}.mlp.shared_experts"), shared * i), shared * i, None))
         }
         ModelKind::Qwen2Moe => {
-            let w = write_expert(&mut ck, &mut r, &format!("{p}.mlp.shared_expert"), 2 * i);
+            let w = write_expert(&mut ck, &mut r, &format!("{p}.mlp.shared_expert"), shared * i);
             let g = uniform(&mut r, h, 2.0 / (h as f32).sqrt());
             let name = format!("{p}.mlp.shared_expert_gate.weight");
             ck.bf16(name.clone(), &[1, h], &g);
-            Some((w, 2 * i, Some(ck.floats(&name))))
+            Some((w, shared * i, Some(ck.floats(&name))))
         }
         _ => None,
     };
