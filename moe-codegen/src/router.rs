@@ -34,7 +34,7 @@ pub struct GroupLimited {
 
 impl GroupLimited {
     /// The parameters, `scaling` being the factor applied to the final weights.
-    pub fn new(groups: u32, topk_groups: u32, renormalize: bool, scaling: f32) -> GroupLimited {
+    pub const fn new(groups: u32, topk_groups: u32, renormalize: bool, scaling: f32) -> GroupLimited {
         GroupLimited { groups, topk_groups, renormalize, scaling_bits: scaling.to_bits() }
     }
     /// The factor applied to the final routing weights.

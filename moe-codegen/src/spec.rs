@@ -507,6 +507,14 @@ impl MoeSpec {
         Ok(self)
     }
 
+    /// [`MoeSpec::with_router`] for `#[moe_kernel]`'s constants, whose router the macro checked
+    /// with `with_router` when it expanded (this one, `const`, checks nothing).
+    #[doc(hidden)]
+    pub const fn with_router_checked_by_macro(mut self, router: Router) -> MoeSpec {
+        self.router = router;
+        self
+    }
+
     /// This spec with (or without) per-expert biases.
     pub const fn with_bias(mut self, bias: bool) -> MoeSpec {
         self.bias = bias;

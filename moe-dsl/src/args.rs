@@ -4,8 +4,8 @@
 
 use moe_codegen::spec::VECTOR_WIDTH_WHY;
 use moe_codegen::{
-    family_supports, grouped_support, ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, SpecError,
-    WeightFormat,
+    family_supports, grouped_support, ActDtype, Activation, Arch, DequantVariant, GroupLimited, KernelFamily, MoeSpec,
+    Router, SpecError, WeightFormat,
 };
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
@@ -16,7 +16,7 @@ use syn::punctuated::Punctuated;
 use syn::{bracketed, token, Ident, LitInt, Token};
 
 /// Every key the attribute takes, in the order the docs list them.
-pub(crate) const KEYS: [&str; 13] = [
+pub(crate) const KEYS: [&str; 18] = [
     "hidden",
     "intermediate",
     "experts",
@@ -28,6 +28,11 @@ pub(crate) const KEYS: [&str; 13] = [
     "bias",
     "shared_experts",
     "shared_gate",
+    "router",
+    "router_groups",
+    "router_topk_groups",
+    "router_renormalize",
+    "router_scaling",
     "archs",
     "families",
 ];
@@ -215,6 +220,17 @@ fn boolean(arg: &Arg) -> syn::Result<bool> {
     }
 }
 
+fn float(arg: &Arg) -> syn::Result<f32> {
+    let bad = |t: &dyn ToTokens| syn::Error::new_spanned(t, format!("`{}` takes a number, e.g. `2.5`", arg.key));
+    match &arg.value {
+        Value::Int(lit) => lit.base10_parse::<f32>().map_err(|_| bad(lit)),
+        Value::Other(tokens) => syn::parse2::<syn::LitFloat>(tokens.clone())
+            .map_err(|_| bad(tokens))
+            .and_then(|lit| lit.base10_parse::<f32>().map_err(|_| bad(&lit))),
+        other => Err(bad(other)),
+    }
+}
+
 fn parse_name<T: FromStr<Err = SpecError>>(ident: &Ident) -> syn::Result<T> {
     ident.unraw().to_string().parse::<T>().map_err(|e| syn::Error::new_spanned(ident, e))
 }
@@ -294,6 +310,9 @@ impl Args {
         let mut bias = false;
         let mut shared: Option<Given<u32>> = None;
         let mut shared_gate: Option<Given<bool>> = None;
+        let mut router: Option<Given<Ident>> = None;
+        let (mut groups, mut topk_groups): (Option<Given<u32>>, Option<Given<u32>>) = (None, None);
+        let (mut renormalize, mut scaling): (Option<Given<bool>>, Option<Given<f32>>) = (None, None);
         let mut act_dtype: Option<Given<ActDtype>> = None;
         let mut dequant: Option<Given<DequantVariant>> = None;
         let mut archs: Vec<Item<Arch>> = Arch::ALL.into_iter().map(|value| Item { value, ident: None }).collect();
@@ -325,6 +344,20 @@ impl Args {
                 "bias" => boolean(arg).map(|v| bias = v),
                 "shared_experts" => int(arg).map(|v| shared = Some(Given::of(arg, v))),
                 "shared_gate" => boolean(arg).map(|v| shared_gate = Some(Given::of(arg, v))),
+                "router" => match &arg.value {
+                    Value::Name(ident) => {
+                        router = Some(Given::of(arg, ident.clone()));
+                        Ok(())
+                    }
+                    other => Err(syn::Error::new_spanned(
+                        other,
+                        "`router` takes `softmax`, `softmax_raw` or `group_limited`",
+                    )),
+                },
+                "router_groups" => int(arg).map(|v| groups = Some(Given::of(arg, v))),
+                "router_topk_groups" => int(arg).map(|v| topk_groups = Some(Given::of(arg, v))),
+                "router_renormalize" => boolean(arg).map(|v| renormalize = Some(Given::of(arg, v))),
+                "router_scaling" => float(arg).map(|v| scaling = Some(Given::of(arg, v))),
                 "archs" => list(arg).map(|v| archs = v),
                 "families" => list(arg).map(|v| families = Some(v)),
                 _ => unreachable!("every key in KEYS is handled"),
@@ -400,6 +433,53 @@ impl Args {
             (None, Some(g)) => g.error(&e),
             (None, None) => syn::Error::new(Span::call_site(), &e),
         })?;
+        let spec = match &router {
+            None => {
+                // The group-limited router's parameters mean nothing without it.
+                if let Some(e) = [
+                    groups.as_ref().map(|g| g.error("`router_groups` needs `router = group_limited`")),
+                    topk_groups.as_ref().map(|g| g.error("`router_topk_groups` needs `router = group_limited`")),
+                    scaling.as_ref().map(|g| g.error("`router_scaling` needs `router = group_limited`")),
+                ]
+                .into_iter()
+                .flatten()
+                .next()
+                {
+                    return Err(e);
+                }
+                match &renormalize {
+                    Some(r) => spec.with_router(Router::Softmax { renormalize: r.value }).map_err(|e| r.error(e))?,
+                    None => spec,
+                }
+            }
+            Some(r) => {
+                let renorm = renormalize.as_ref().map_or(true, |g| g.value);
+                let chosen = match r.value.to_string().as_str() {
+                    "softmax" => Router::Softmax { renormalize: renorm },
+                    "softmax_raw" => Router::Softmax { renormalize: false },
+                    "group_limited" => {
+                        let need = |g: &Option<Given<u32>>, key: &str| {
+                            g.as_ref()
+                                .map(|g| g.value)
+                                .ok_or_else(|| r.error(format!("`router = group_limited` needs `{key}`")))
+                        };
+                        let scale = scaling.as_ref().map_or(1.0, |g| g.value);
+                        Router::GroupLimited(GroupLimited::new(
+                            need(&groups, "router_groups")?,
+                            need(&topk_groups, "router_topk_groups")?,
+                            renorm,
+                            scale,
+                        ))
+                    }
+                    other => {
+                        return Err(r.error(format!(
+                            "unknown router `{other}`; expected one of: softmax, softmax_raw, group_limited"
+                        )))
+                    }
+                };
+                spec.with_router(chosen).map_err(|e| r.error(e))?
+            }
+        };
         let families = match families {
             Some(declared) => {
                 let mut errors = Errors::default();

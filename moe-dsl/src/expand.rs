@@ -51,6 +51,13 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     let (hidden, intermediate, experts, top_k) = (spec.hidden(), spec.intermediate(), spec.experts(), spec.top_k());
     let bias = spec.has_bias();
     let (shared, shared_gated) = (spec.shared_experts(), spec.shared_gated());
+    let router = match spec.router() {
+        moe_codegen::Router::Softmax { renormalize } => quote!(#cg::Router::Softmax { renormalize: #renormalize }),
+        moe_codegen::Router::GroupLimited(g) => {
+            let (groups, topk, renorm, scaling) = (g.groups, g.topk_groups, g.renormalize, g.scaling());
+            quote!(#cg::Router::GroupLimited(#cg::GroupLimited::new(#groups, #topk, #renorm, #scaling)))
+        }
+    };
     let arch_values: Vec<_> = archs.iter().map(|a| variant("Arch", a.value)).collect();
     let family_values: Vec<_> = families.iter().map(|f| variant("KernelFamily", f.value)).collect();
 
@@ -159,7 +166,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                     ::core::result::Result::Err(_) => ::core::panic!(#panic_msg),
                 };
                 ::core::mem::forget(spec);
-                value
+                value.with_router_checked_by_macro(#router)
             };
 
             #[doc = #archs_doc]

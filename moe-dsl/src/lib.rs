@@ -66,6 +66,9 @@ mod expand;
 /// | `bias` | `true`, `false`: per-expert biases on w13 and w2 (`HostWeights::w13_bias` / `w2_bias`) | `false` |
 /// | `shared_experts` | integer: shared experts every token uses, after the routed ones in w13 / w2 (DeepSeek-V3, Qwen2-MoE) | `0` |
 /// | `shared_gate` | `true`, `false`: the shared experts weighted by `sigmoid(x . shared_gate)` (Qwen2-MoE) | `false` |
+/// | `router` | `softmax` (renormalised top-k: Qwen3, Mixtral, gpt-oss), `softmax_raw` (OLMoE), `group_limited` (DeepSeek-V3, Kimi-K2) | `softmax` |
+/// | `router_groups`, `router_topk_groups` | integers: `group_limited`'s expert groups and the groups kept | required with `group_limited` |
+/// | `router_renormalize`, `router_scaling` | `true` / `false`; a number: renormalise the chosen weights, then scale them | `true`; `1.0` |
 /// | `archs` | list of `sm_90a`, `sm_100a`, `sm_120a` | all three |
 /// | `families` | list of `warp_decode`, `grouped_gemm` | every family the spec supports (`moe_codegen::family_supports`) |
 ///

@@ -45,9 +45,24 @@ struct Qwen3Nvfp4Hw;
 #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_asym_g128, dequant = lut)]
 struct Qwen3Awq;
 
-/// DeepSeek-V3-shaped (scaled down): one shared expert computed in the step.
-#[moe_kernel(hidden = 1024, intermediate = 256, experts = 64, top_k = 6, format = fp8_e4m3_b128, shared_experts = 1)]
+/// DeepSeek-V3-shaped (scaled down): one shared expert computed in the step, its router.
+#[moe_kernel(
+    hidden = 1024,
+    intermediate = 256,
+    experts = 64,
+    top_k = 6,
+    format = fp8_e4m3_b128,
+    shared_experts = 1,
+    router = group_limited,
+    router_groups = 8,
+    router_topk_groups = 4,
+    router_scaling = 2.5
+)]
 struct DeepSeekLike;
+
+/// OLMoE's router: no renormalisation of the chosen weights.
+#[moe_kernel(hidden = 2048, intermediate = 1024, experts = 64, top_k = 8, router = softmax_raw)]
+struct OlmoeRaw;
 
 /// Qwen2-MoE's shared expert, gated, as four of the routed experts' size.
 #[moe_kernel(hidden = 2048, intermediate = 1408, experts = 60, top_k = 4, shared_experts = 4, shared_gate = true)]
@@ -63,6 +78,10 @@ fn spec_holds_the_declared_values() {
     assert_eq!((DeepSeekLike::SPEC.shared_experts(), DeepSeekLike::SPEC.shared_gated()), (1, false));
     assert_eq!((Qwen2Moe::SPEC.shared_experts(), Qwen2Moe::SPEC.shared_gated()), (4, true));
     assert_eq!(Qwen2Moe::SPEC.kernel_spec().experts(), 64);
+    use moeforge::codegen::{GroupLimited, Router};
+    assert_eq!(DeepSeekLike::SPEC.router(), Router::GroupLimited(GroupLimited::new(8, 4, true, 2.5)));
+    assert_eq!(OlmoeRaw::SPEC.router(), Router::Softmax { renormalize: false });
+    assert_eq!(Qwen3Moe::SPEC.router(), Router::default());
     assert_eq!(
         DeepSeekLike::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).unwrap().source,
         render(&DeepSeekLike::SPEC, KernelFamily::GroupedGemm, Arch::Sm90a).unwrap().source
