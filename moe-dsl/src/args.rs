@@ -453,7 +453,7 @@ impl Args {
                 }
             }
             Some(r) => {
-                let renorm = renormalize.as_ref().map_or(true, |g| g.value);
+                let renorm = renormalize.as_ref().is_none_or(|g| g.value);
                 let chosen = match r.value.to_string().as_str() {
                     "softmax" => Router::Softmax { renormalize: renorm },
                     "softmax_raw" => Router::Softmax { renormalize: false },
