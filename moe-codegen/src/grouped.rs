@@ -63,6 +63,14 @@ pub(crate) fn is_fp8(f: WeightFormat) -> bool {
     matches!(f, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128)
 }
 
+/// Whether the grouped family reads the weights through the decode family's dequant include:
+/// every format but bf16, fp16 and the fp8 ones the tensor cores take as they are. Such weights
+/// are decoded by the loader into the activation dtype in shared memory, then multiplied on the
+/// `mma.sync` pipeline (`WQ` in gemm_tile.cuh).
+pub fn dequantizes_weights(f: WeightFormat) -> bool {
+    !matches!(f, WeightFormat::Bf16 | WeightFormat::Fp16) && !is_fp8(f)
+}
+
 /// Whether the grouped family quantizes x to e4m3 with one scale per token (over all of the
 /// hidden size) rather than one per 128 along K: with per-channel weights, so that GEMM1's scales
 /// do not change along K and its tensor cores accumulate the whole of K before one scaling in the
@@ -177,11 +185,11 @@ impl GemmTiles {
 pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
     let spec = &spec.kernel_spec();
     let f = spec.weight_format();
-    let elem = match f {
-        WeightFormat::Bf16 | WeightFormat::Fp16 => 2,
-        WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128 => 1,
-        _ => return Err(format!("{f} weights (bf16, fp16, fp8_e4m3 and fp8_e4m3_b128 are supported)")),
-    };
+    let elem = if is_fp8(f) { 1 } else { 2 };
+    if dequantizes_weights(f) && spec.dequant() == Some(crate::DequantVariant::Lut) {
+        // The table lives in shared memory the GEMM's stages take.
+        return Err(format!("{f} weights with the lut dequant variant (bits and hardware are supported)"));
+    }
     // The 16-bit GEMMs multiply x and the weights in one tensor-core type: bf16 weights need bf16
     // activations (fp8 quantizes x from either dtype).
     if f == WeightFormat::Bf16 && spec.act_dtype() != crate::spec::ActDtype::Bf16 {
@@ -226,6 +234,8 @@ struct GroupedGemmCu {
     activation: Activation,
     /// Per-expert biases ([`MoeSpec::has_bias`]).
     bias: bool,
+    /// The weights' format include, where the loader decodes them ([`dequantizes_weights`]).
+    fmt: Option<crate::render::FormatCtx>,
     bm: u32,
     bn1: u32,
     bn2: u32,
@@ -314,11 +324,27 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         )));
     }
     let f = spec.weight_format();
+    let wq = dequantizes_weights(f);
+    if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
+        return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
+    }
+    let act16 = match spec.act_dtype() {
+        crate::ActDtype::Bf16 => "bf16",
+        crate::ActDtype::Fp16 => "f16",
+    };
     let (elem_bytes, mma_type, wscale) = match f {
         WeightFormat::Bf16 => (2, "bf16", 0),
         WeightFormat::Fp16 => (2, "f16", 0),
         WeightFormat::Fp8E4m3 => (1, "e4m3", 1),
-        _ => (1, "e4m3", 2),
+        WeightFormat::Fp8E4m3B128 => (1, "e4m3", 2),
+        // Decoded into the activation dtype by the loader, every scale applied there.
+        _ => (2, act16, 0),
+    };
+    let fmt = if wq {
+        let variant = crate::render::resolve_dequant(spec, arch)?;
+        Some(crate::render::FormatCtx::new(f, variant, arch))
+    } else {
+        None
     };
     // fp8 on the warp-specialised pipeline multiplies tiles over 128 columns in halves.
     let mut ns: Vec<u32> = [tiles.bn1, tiles.bn2]
@@ -363,6 +389,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         top_k: spec.top_k(),
         activation: spec.activation(),
         bias: spec.has_bias(),
+        fmt,
         bm: tiles.bm,
         bn1: tiles.bn1,
         bn2: tiles.bn2,
@@ -528,11 +555,18 @@ mod tests {
 
     #[test]
     fn refuses_what_it_cannot_do() {
+        // Decoded weights take the mma.sync pipeline: not the warp-specialised wgmma one, nor the
+        // lut variant (its table would take the stages' shared memory).
         let s = spec(2048, 768, 128, 8, WeightFormat::Int4);
-        assert!(matches!(
-            render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)),
-            Err(CodegenError::Unsupported { .. })
-        ));
+        let ws = GemmTiles::for_spec(&spec(2048, 768, 128, 8, WeightFormat::Bf16), Arch::Sm90a);
+        assert!(matches!(render_grouped(&s, Arch::Sm90a, ws), Err(CodegenError::Unsupported { .. })));
+        assert!(render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).is_ok());
+        let lut = MoeSpec::builder(2048, 768, 128, 8)
+            .weight_format(WeightFormat::Int4)
+            .dequant(crate::DequantVariant::Lut)
+            .build()
+            .unwrap();
+        assert!(grouped_support(&lut).is_err());
         let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
         let wg = GemmTiles { mma: Mma::Wgmma, ..GemmTiles::for_spec(&s, Arch::Sm120a) };
         assert!(render_grouped(&s, Arch::Sm120a, wg).is_err());

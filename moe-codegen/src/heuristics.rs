@@ -195,7 +195,8 @@ pub fn token_tile(m: u32) -> u32 {
 /// does not divide), 4 stages, 3 on sm_120a (99 KiB of shared memory per block).
 pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
     let (h, i) = (spec.hidden(), spec.intermediate());
-    if arch == Arch::Sm90a {
+    // Weights decoded by the loader take the mma.sync pipeline on every arch.
+    if arch == Arch::Sm90a && !crate::grouped::dequantizes_weights(spec.weight_format()) {
         let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
         return GemmTiles {
             bm: 128,

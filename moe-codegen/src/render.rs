@@ -48,29 +48,29 @@ pub enum CodegenError {
 
 /// What `templates/dequant.cuh` needs to pick and fill a format's includes.
 #[derive(Debug, Clone)]
-struct FormatCtx {
-    name: &'static str,
+pub(crate) struct FormatCtx {
+    pub(crate) name: &'static str,
     /// Element codec include: `dequant_<codec>.cuh`.
-    codec: &'static str,
+    pub(crate) codec: &'static str,
     /// `lut`, `bits` or `hardware`.
-    variant: &'static str,
+    pub(crate) variant: &'static str,
     /// Scale include: `scales_<layout>.cuh`.
-    scales: &'static str,
+    pub(crate) scales: &'static str,
     /// Elements along K per scale (0: per row, or none).
-    group: u32,
+    pub(crate) group: u32,
     /// Elements per 16-byte vector.
-    vec: u32,
+    pub(crate) vec: u32,
     /// Zero points come from the scales (asymmetric INT4).
-    asym: bool,
+    pub(crate) asym: bool,
     /// `lut`: the table, as f32 bit patterns (the Rust decoder's values), and its length.
-    lut: String,
-    lut_len: usize,
+    pub(crate) lut: String,
+    pub(crate) lut_len: usize,
     /// The arch converts e2m1 itself (`cvt.rn.f16x2.e2m1x2`); sm_90's `hardware` goes through e4m3.
-    native_e2m1: bool,
+    pub(crate) native_e2m1: bool,
 }
 
 impl FormatCtx {
-    fn new(format: WeightFormat, variant: DequantVariant, arch: Arch) -> FormatCtx {
+    pub(crate) fn new(format: WeightFormat, variant: DequantVariant, arch: Arch) -> FormatCtx {
         let table: Vec<f32> = match (variant, format.codec()) {
             (DequantVariant::Lut, Codec::E4m3) => (0..=255u8).map(e4m3_to_f32).collect(),
             (DequantVariant::Lut, Codec::Int8) => (0..=255u8).map(|b| b as i8 as f32).collect(),
@@ -748,8 +748,9 @@ mod tests {
             let v = variants(h, i, e, k);
             // gpt-oss-20b's 2880 is no multiple of 128: no g128 formats, no 128x128 blocks.
             let formats = if name == "gpt-oss-20b" { WeightFormat::ALL.len() - 4 } else { WeightFormat::ALL.len() };
-            // The grouped family takes bf16, fp16 and (where K holds whole 128-byte tiles) fp8.
-            let grouped = if name == "gpt-oss-20b" { 2 } else { 4 };
+            // The grouped family takes every format but fp8 where K does not hold whole 128-byte
+            // tiles (gpt-oss-20b's 2880 one-byte elements).
+            let grouped = if name == "gpt-oss-20b" { formats - 1 } else { formats };
             assert_eq!(v.len(), formats + grouped, "{name}");
             for (spec, fam) in v {
                 for arch in Arch::ALL {

@@ -45,10 +45,11 @@ mod expand;
 /// let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
 /// assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
 ///
-/// /// Quantized weights: warp decode only (the grouped GEMMs take bf16, fp16 and fp8).
+/// /// Quantized weights: both families (the grouped loader decodes them for the tensor cores);
+/// /// with the `lut` dequant variant warp decode only.
 /// #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_g128)]
 /// pub struct Qwen3Int4;
-/// assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode]);
+/// assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
 /// ```
 ///
 /// # Arguments
@@ -80,7 +81,7 @@ mod expand;
 /// or family, a dequant variant the format lacks (at `dequant`) or a declared arch lacks (at the
 /// arch; every target arch has every variant of its formats today), a declared family the spec
 /// has no kernels for (at that `families` entry, with `moe_codegen::grouped_support`'s reason:
-/// `grouped_gemm` with int4 weights, or with bf16 weights and fp16 activations).
+/// `grouped_gemm` with the `lut` dequant variant, or with bf16 weights and fp16 activations).
 ///
 /// ```compile_fail
 /// # use moeforge::moe_kernel;
@@ -91,10 +92,10 @@ mod expand;
 ///
 /// ```compile_fail
 /// # use moeforge::moe_kernel;
-/// // error: grouped_gemm is not available for this spec: int4 weights (bf16, fp16, fp8_e4m3 and
-/// // fp8_e4m3_b128 are supported)
+/// // error: grouped_gemm is not available for this spec: int4 weights with the lut dequant
+/// // variant (bits and hardware are supported)
 /// #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4,
-///              families = [warp_decode, grouped_gemm])]
+///              dequant = lut, families = [warp_decode, grouped_gemm])]
 /// pub struct Qwen3Int4;
 /// ```
 ///

@@ -134,7 +134,7 @@ struct Bf16WeightsFp16Acts;
              archs = [sm_100a])]
 struct Fp8WeightsFp16Acts;
 
-/// Plain int4: warp decode only (the grouped family does not dequantize).
+/// Plain int4: both families (the grouped loader decodes the weights).
 #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4)]
 struct Qwen3Int4;
 
@@ -151,9 +151,9 @@ fn families_default_to_those_the_spec_supports() {
     assert_eq!(Fp8WeightsFp16Acts::FAMILIES, &both);
     // 2880 one-byte elements are not whole 128-byte k-tiles.
     assert_eq!(GptOss::FAMILIES, &[KernelFamily::WarpDecode]);
-    assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode]);
-    assert_eq!(Qwen3Awq::FAMILIES, &[KernelFamily::WarpDecode]);
-    assert_eq!(GptOssMxfp4::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Qwen3Int4::FAMILIES, &both, "the grouped loader decodes int4");
+    assert_eq!(Qwen3Awq::FAMILIES, &[KernelFamily::WarpDecode], "the lut variant's table: warp decode only");
+    assert_eq!(GptOssMxfp4::FAMILIES, &both);
     assert_eq!(Bf16WeightsFp16Acts::FAMILIES, &[KernelFamily::WarpDecode]);
     assert_eq!(SmallFp16::FAMILIES, &[KernelFamily::WarpDecode], "a declared list is kept");
     for (spec, families) in [
@@ -177,8 +177,11 @@ fn families_default_to_those_the_spec_supports() {
             assert_eq!(k.decode_tiles.is_some(), family == KernelFamily::WarpDecode);
         }
     }
-    assert!(Qwen3Int4::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).is_none());
-    assert!(Qwen3Int4::SOURCES.iter().all(|s| s.0 == KernelFamily::WarpDecode));
+    assert!(Qwen3Awq::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).is_none());
+    assert!(Qwen3Awq::SOURCES.iter().all(|s| s.0 == KernelFamily::WarpDecode));
+    // The decoded-weight GEMMs take the mma.sync pipeline, sm_90a included.
+    let g = Qwen3Int4::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).unwrap();
+    assert!(g.name.ends_with("_mma"), "{}", g.name);
 }
 
 /// The grouped family renders per arch (wgmma on sm_90a, mma.sync on sm_100a and sm_120a): each

@@ -90,8 +90,9 @@ pub struct MoeLayer {
     router_bias: CudaSlice<f32>,
 }
 
-/// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold`
-/// says otherwise. Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the
+/// Token count from which `forward` takes the grouped GEMMs for weights the tensor cores read as
+/// stored (bf16, fp16, fp8), unless `set_prefill_threshold` says otherwise; formats the grouped
+/// loader decodes cross over later (`dispatch::DECODED_PREFILL_THRESHOLD`). Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the
 /// grouped path took 355 us against 414 us for warp decode with uniform routing (152 against 244
 /// skewed); at M = 8 warp decode still won with uniform routing (230 against 251 us).
 pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
@@ -193,7 +194,7 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
-            prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
+            prefill_threshold: crate::dispatch::default_prefill_threshold(&spec),
             deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
             stream,

@@ -102,17 +102,22 @@ fn fp8(f: WeightFormat) -> bool {
 /// Relative L2 and least cosine allowed. Warp decode sums in f32 on the reference's dequantized
 /// weights; the grouped GEMMs round the intermediate to the activation dtype and, with fp8
 /// weights, run e4m3 activations (tests/gpu_prefill.rs explains the fp8 figures).
-fn tolerance(f: WeightFormat, family: KernelFamily) -> (f64, f64) {
+fn tolerance(spec: &MoeSpec, family: KernelFamily) -> (f64, f64) {
+    let f = spec.weight_format();
     match (family, f) {
         (KernelFamily::WarpDecode, _) => (5e-3, 0.99999),
         (_, WeightFormat::Fp8E4m3) => (2.5e-2, 0.9995),
         (_, WeightFormat::Fp8E4m3B128) => (1.5e-2, 0.9999),
+        // Weights the grouped loader decodes are rounded to the activation dtype for the tensor
+        // cores: bf16's 8-bit mantissa adds about 1e-3 per GEMM (4e-3 measured in all, up to
+        // 5.2e-3 on one token; fp16 activations 5e-4).
+        _ if moe_codegen::grouped::dequantizes_weights(f) && spec.act_dtype() == ActDtype::Bf16 => (7e-3, 0.99997),
         _ => (5e-3, 0.9999),
     }
 }
 
 fn assert_close(spec: &MoeSpec, what: &str, (family, rel, cos): (KernelFamily, f64, f64)) {
-    let (tol, min_cos) = tolerance(spec.weight_format(), family);
+    let (tol, min_cos) = tolerance(spec, family);
     println!("{:<52} {family:<12} {what:<28} rel_l2={rel:.3e} cos={cos:.8}", spec.id());
     assert!(rel <= tol && cos >= min_cos, "{} {family} {what}: rel_l2 {rel:.3e} cos {cos:.8}", spec.id());
 }
