@@ -123,7 +123,7 @@ fn assert_close(spec: &MoeSpec, what: &str, (family, rel, cos): (KernelFamily, f
 }
 
 /// gpt-oss's computation: per-expert biases and the clamped SwiGLU, on the real gpt-oss-20b
-/// geometry in MXFP4 (as it ships; warp decode only) and bf16, and in fp8 on a small geometry, at
+/// geometry in MXFP4 (as it ships) and bf16, and in fp8 on a small geometry, at
 /// M = 1 (the bulk one-token kernels), 4, 33 and 300 in every family the layer has, directly and
 /// captured; and the clamped SwiGLU without biases. Biases are scaled so that gate and up values
 /// pass the clamp limits.
@@ -157,7 +157,7 @@ fn biases_and_swiglu_oai_match_reference() {
         assert!(MoeLayer::load(&dev, spec, &bare).is_err(), "{}: a biased spec without biases", spec.id());
         let families: Vec<KernelFamily> =
             KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
-        assert_eq!(families.len(), if spec.weight_format() == WeightFormat::Mxfp4 { 1 } else { 2 }, "{}", spec.id());
+        assert_eq!(families.len(), 2, "{}: both families take biases", spec.id());
         for family in families {
             let large = spec.hidden() == 2048 && family == KernelFamily::GroupedGemm;
             let ms: &[usize] = if large { &[1, 4, 33, 300, 4096] } else { &[1, 4, 33, 300] };
