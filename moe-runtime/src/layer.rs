@@ -92,9 +92,10 @@ pub struct MoeLayer {
 
 /// Token count from which `forward` takes the grouped GEMMs for weights the tensor cores read as
 /// stored (bf16, fp16, fp8), unless `set_prefill_threshold` says otherwise; formats the grouped
-/// loader decodes cross over later (`dispatch::DECODED_PREFILL_THRESHOLD`). Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the
-/// grouped path took 355 us against 414 us for warp decode with uniform routing (152 against 244
-/// skewed); at M = 8 warp decode still won with uniform routing (230 against 251 us).
+/// loader decodes cross over later (`dispatch::DECODED_PREFILL_THRESHOLD`). Qwen3-30B-A3B bf16
+/// (benches/results/h100-prefill.json, H100): at M = 16 the grouped path took 355 us against 414
+/// us for warp decode with uniform routing (152 against 244 skewed); at M = 8 warp decode still
+/// won with uniform routing (230 against 251 us).
 pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
 
 impl MoeLayer {
