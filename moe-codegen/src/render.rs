@@ -669,7 +669,8 @@ pub fn dequant_variants(hidden: u32, intermediate: u32, experts: u32, top_k: u32
         for &d in format.dequant_variants() {
             let spec = MoeSpec::builder(hidden, intermediate, experts, top_k).weight_format(format).dequant(d).build();
             if let Ok(spec) = spec {
-                // The grouped family does not dequantize: its variants are the decode family's.
+                // Warp decode in every variant; the grouped family's loader runs the same include,
+                // checked with each format's default variant (`variants`).
                 out.push((spec, KernelFamily::WarpDecode));
             }
         }
