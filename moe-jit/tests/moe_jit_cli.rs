@@ -58,12 +58,13 @@ fn check_compiles_the_grouped_family_with_the_tiles_given() {
 
 #[test]
 fn check_refuses_a_selection_of_nothing() {
-    // No grouped GEMM takes INT4 weights: the filters leave nothing.
-    let spec = ["--hidden", "2048", "--intermediate", "768", "--experts", "8", "--top-k", "2", "--format", "int8"];
+    // No grouped GEMM takes the lut variant, nor fp8 at hidden 2880: the filters leave nothing.
+    let lut = ["--hidden", "2048", "--intermediate", "768", "--experts", "8", "--top-k", "2", "--format", "int4"];
+    let fp8 = ["--hidden", "2880", "--intermediate", "2880", "--experts", "32", "--top-k", "4", "--format", "fp8_e4m3"];
     let cases: [&[&str]; 3] = [
-        &["check", "--format", "int4", "--family", "grouped_gemm"],
-        &["check", "--format", "int4", "--family", "grouped_gemm", "--list"],
-        &[&["check", "--family", "grouped_gemm"][..], &spec].concat(),
+        &[&["check", "--dequant", "lut", "--family", "grouped_gemm"][..], &lut].concat(),
+        &[&["check", "--dequant", "lut", "--family", "grouped_gemm", "--list"][..], &lut].concat(),
+        &[&["check", "--family", "grouped_gemm"][..], &fp8].concat(),
     ];
     for args in cases {
         let out = moe_jit(args);
@@ -77,7 +78,7 @@ fn check_refuses_a_selection_of_nothing() {
 #[test]
 fn check_takes_a_spec_of_ones_own() {
     // gpt-oss-20b's geometry in MXFP4: the decode family in each of the format's dequant variants
-    // (the grouped family takes no MXFP4), on each arch asked for.
+    // and the grouped family (weights decoded by its loader, mma.sync), on each arch asked for.
     let spec = ["--hidden", "2880", "--intermediate", "2880", "--experts", "32", "--top-k", "4", "--format", "mxfp4"];
     let out = moe_jit(&[&["check", "--list", "--arch", "sm_90a,sm_120a"][..], &spec].concat());
     let (stdout, stderr) = text(&out);
@@ -88,12 +89,16 @@ fn check_takes_a_spec_of_ones_own() {
             assert!(stdout.lines().any(|l| l.contains(&name) && l.ends_with(arch)), "no {name}for {arch}: {stdout}");
         }
     }
-    assert!(!stdout.contains("grouped_gemm_"), "{stdout}");
-    assert!(stdout.contains("6 modules to compile"), "{stdout}");
-    // And compiled, through the cache (the reference set holds this one: a hit after `moe-jit
-    // check` in scripts/test.sh). The flags override the format's defaults.
-    let out =
-        moe_jit(&[&["check", "--arch", "sm_90a", "--dequant", "hardware", "--activation", "silu"][..], &spec].concat());
+    for arch in ["sm_90a", "sm_120a"] {
+        let grouped = |l: &str| l.contains("grouped_gemm_h2880_i2880_e32_k4_mxfp4_bf16_silu_") && l.contains("_mma");
+        assert!(stdout.lines().any(|l| grouped(l) && l.ends_with(arch)), "no grouped module for {arch}: {stdout}");
+    }
+    assert!(stdout.contains("8 modules to compile"), "{stdout}");
+    // And the decode module compiled, through the cache (the reference set holds this one: a hit
+    // after `moe-jit check` in scripts/test.sh). The flags override the format's defaults.
+    let flags =
+        ["check", "--arch", "sm_90a", "--dequant", "hardware", "--activation", "silu", "--family", "warp_decode"];
+    let out = moe_jit(&[&flags[..], &spec].concat());
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("1 variants ok (") && stdout.contains("), 0 failed"), "{stdout}");
