@@ -6,11 +6,13 @@
 
 use moe_codegen::{ActDtype, Activation, Arch, DequantVariant, KernelFamily, MoeSpec, SpecError, WeightFormat};
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moe_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use moe_runtime::reference::{compare, moe_forward, moe_forward_fp8_acts};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::{ActElem, Device, HostWeights, MoeLayer};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 
 fn gpu() -> Device {
     Device::new(0).unwrap_or_else(|e| panic!("this test needs an NVIDIA GPU: {e}"))
@@ -52,6 +54,23 @@ fn run_step<T: ActElem>(layer: &MoeLayer, x: &[f32], ids: &[i32], rw: &[f32], ho
         step(&mut y).unwrap_or_else(|e| panic!("{} m={m} {how:?}: {e}", layer.spec().id()));
     }
     s.clone_dtoh(&y).unwrap().into_iter().map(T::to_f32).collect()
+}
+
+/// A step from router logits: activations `[m, h]` (bf16-exact) and logits `[m, e]`, on the host
+/// and uploaded.
+struct LogitsStep {
+    x: Vec<f32>,
+    dx: CudaSlice<half::bf16>,
+    logits: Vec<f32>,
+    dl: CudaSlice<f32>,
+}
+
+fn logits_step(s: &Arc<CudaStream>, rng: &mut SmallRng, m: usize, h: usize, e: usize) -> LogitsStep {
+    let x: Vec<f32> = (0..m * h).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
+    let logits: Vec<f32> = (0..m * e).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let dx = s.clone_htod(&x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
+    let dl = s.clone_htod(&logits).unwrap();
+    LogitsStep { x, dx, logits, dl }
 }
 
 /// Relative L2 and cosine of a step against the reference, on at most 64 sampled tokens; the
@@ -384,11 +403,7 @@ fn routing_from_logits_in_every_family() {
         for m in [1usize, 20, 300] {
             layer.reserve(m).unwrap();
             let s = layer.stream().clone();
-            let x: Vec<f32> =
-                (0..m * h).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
-            let logits: Vec<f32> = (0..m * e).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-            let dx = s.clone_htod(&x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
-            let dl = s.clone_htod(&logits).unwrap();
+            let LogitsStep { x, dx, logits, dl } = logits_step(&s, &mut rng, m, h, e);
             let (ids, rw) = route(&spec, &logits, &vec![0.0; e]);
             let t = m.min(64);
             let want = moe_forward(&spec, &w, &x[..t * h], &ids[..t * k], &rw[..t * k]);
@@ -471,11 +486,7 @@ fn shared_experts_match_reference() {
         for m in [1usize, 40] {
             layer.reserve(m).unwrap();
             let s = layer.stream().clone();
-            let x: Vec<f32> =
-                (0..m * h).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
-            let logits: Vec<f32> = (0..m * e).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-            let dx = s.clone_htod(&x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()).unwrap();
-            let dl = s.clone_htod(&logits).unwrap();
+            let LogitsStep { x, dx, logits, dl } = logits_step(&s, &mut rng, m, h, e);
             let mut y = s.clone_htod(&vec![half::bf16::NAN; m * h]).unwrap();
             layer.forward_logits(&dx, &dl, &mut y).unwrap();
             let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
