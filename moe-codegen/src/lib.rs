@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod dequant;
+pub mod ep;
 pub mod format;
 pub mod grouped;
 pub mod heuristics;
@@ -16,6 +17,7 @@ pub mod router;
 pub mod spec;
 
 pub use dequant::DequantVariant;
+pub use ep::{render_ep, EP_MAX_RANKS};
 pub use format::{Codec, Packed, QuantError, ScaleLayout, WeightFormat};
 pub use grouped::{grouped_support, render_grouped, GemmTiles, Mma};
 pub use render::{

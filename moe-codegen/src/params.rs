@@ -253,6 +253,52 @@ pub fn decode_decls() -> String {
     .concat()
 }
 
+kernel_params! {
+    /// `moe_ep_plan`: a step's routing to the expert-parallel send plan (one block).
+    EpPlanParams {
+        topk_ids: u64 = "const int* __restrict__",
+        topk_weights: u64 = "const float* __restrict__",
+        owner: u64 = "const int* __restrict__",
+        local: u64 = "const int* __restrict__",
+        slots: u64 = "const int* __restrict__",
+        pos: u64 = "int* __restrict__",
+        self_ids: u64 = "int* __restrict__",
+        self_weights: u64 = "float* __restrict__",
+        send_ids: u64 = "int* __restrict__",
+        send_weights: u64 = "float* __restrict__",
+        err: u64 = "int* __restrict__",
+        m: i32 = "int",
+        rows: i32 = "int",
+        rank: i32 = "int",
+        ranks: i32 = "int",
+    }
+    /// `moe_ep_pack`: each token's activations into the send slab of every peer it goes to.
+    EpPackParams {
+        x: u64 = "const uint4* __restrict__",
+        pos: u64 = "const int* __restrict__",
+        send_x: u64 = "uint4* __restrict__",
+        m: i32 = "int",
+        rows: i32 = "int",
+        ranks: i32 = "int",
+    }
+    /// `moe_ep_combine`: each token's partial outputs, summed in rank order.
+    EpCombineParams {
+        y_self: u64 = "const uint4* __restrict__",
+        y_peers: u64 = "const uint4* __restrict__",
+        pos: u64 = "const int* __restrict__",
+        y: u64 = "uint4* __restrict__",
+        m: i32 = "int",
+        rows: i32 = "int",
+        rank: i32 = "int",
+        ranks: i32 = "int",
+    }
+}
+
+/// The expert-parallel exchange module's parameter structs.
+pub fn ep_decls() -> String {
+    [EpPlanParams::c_decl(), EpPackParams::c_decl(), EpCombineParams::c_decl()].concat()
+}
+
 /// The declarations the grouped module needs.
 pub fn grouped_decls() -> String {
     [

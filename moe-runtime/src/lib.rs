@@ -14,6 +14,7 @@
 pub mod cache;
 pub mod device;
 pub mod dispatch;
+pub mod ep;
 pub mod error;
 pub mod families;
 pub mod jit;

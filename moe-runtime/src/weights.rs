@@ -73,6 +73,73 @@ impl HostWeights {
     }
 }
 
+impl HostWeights {
+    /// The weights of `experts` only (routed experts of `spec`, in the order given), as a layer of
+    /// `experts.len()` experts holds them: what one rank of an expert-parallel layer loads.
+    pub fn select_experts(&self, spec: &MoeSpec, experts: &[u32]) -> Result<HostWeights> {
+        self.validate(spec)?;
+        let n = spec.experts() as usize;
+        if spec.shared_experts() > 0 {
+            return Err(RuntimeError::Shape {
+                what: "spec",
+                expected: "no shared experts (select routed experts only)".into(),
+                got: format!("{} shared experts", spec.shared_experts()),
+            });
+        }
+        if let Some(&e) = experts.iter().find(|&&e| e as usize >= n) {
+            return Err(RuntimeError::ExpertIdOutOfRange {
+                count: 1,
+                experts: n as u32,
+                first_pair: 0,
+                first_id: e as i32,
+            });
+        }
+        let (h, i, f) = (spec.hidden() as usize, spec.intermediate() as usize, spec.weight_format());
+        let pick = |v: &[u8], per: usize| -> Vec<u8> {
+            experts.iter().flat_map(|&e| &v[e as usize * per..(e as usize + 1) * per]).copied().collect()
+        };
+        let pick_f32 = |v: &[f32], per: usize| -> Vec<f32> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            experts.iter().flat_map(|&e| &v[e as usize * per..(e as usize + 1) * per]).copied().collect()
+        };
+        let per_expert =
+            [(2 * i, h), (h, i)].into_iter().all(|(r, c)| f.scale_bytes(n, r, c) == n * f.scale_bytes(1, r, c));
+        if !per_expert && !matches!(f.scale_layout(), moe_codegen::ScaleLayout::Nvfp4) {
+            return Err(RuntimeError::Shape {
+                what: "weight scales",
+                expected: "whole scale blocks per expert".into(),
+                got: format!("{f} scales shared across experts at this geometry"),
+            });
+        }
+        // Scales: per-expert blocks, but NVFP4 keeps every tensor's global scale first.
+        let scales = |v: &[u8], rows: usize, cols: usize| -> Vec<u8> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            if matches!(f.scale_layout(), moe_codegen::ScaleLayout::Nvfp4) {
+                let per = rows * cols.div_ceil(16);
+                let (globals, blocks) = v.split_at(n * 4);
+                let mut out = pick(globals, 4);
+                out.extend(pick(blocks, per));
+                out
+            } else {
+                pick(v, f.scale_bytes(1, rows, cols))
+            }
+        };
+        Ok(HostWeights {
+            w13: pick(&self.w13, f.data_bytes(2 * i, h)),
+            w13_scales: scales(&self.w13_scales, 2 * i, h),
+            w2: pick(&self.w2, f.data_bytes(h, i)),
+            w2_scales: scales(&self.w2_scales, h, i),
+            w13_bias: pick_f32(&self.w13_bias, 2 * i),
+            w2_bias: pick_f32(&self.w2_bias, h),
+            shared_gate: Vec::new(),
+        })
+    }
+}
+
 /// `[w13, w13_scales, w2, w2_scales]` byte counts against the spec's layout.
 fn check_sizes(spec: &MoeSpec, [w13, w13_scales, w2, w2_scales]: [usize; 4]) -> Result<()> {
     let f = spec.weight_format();

@@ -133,3 +133,25 @@ fn warp_specialised_options_compile_for_sm90a() {
         assert!(cubin.starts_with(b"\x7fELF"));
     }
 }
+
+/// The expert-parallel exchange module of every reference geometry (bf16 activations, and fp16
+/// on one) compiles for every arch and defines the kernels the host launches.
+#[test]
+fn expert_parallel_exchange_compiles_for_every_arch() {
+    use moe_codegen::{render_ep, ActDtype, MoeSpec};
+    let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
+    let mut specs: Vec<MoeSpec> =
+        REFERENCE_GEOMETRIES.iter().map(|&(_, h, i, e, k)| MoeSpec::builder(h, i, e, k).build().unwrap()).collect();
+    specs.push(MoeSpec::builder(2048, 768, 128, 8).act_dtype(ActDtype::Fp16).build().unwrap());
+    let items: Vec<_> = specs
+        .iter()
+        .flat_map(|s| Arch::ALL.map(|a| (render_ep(s, a).unwrap(), CompileOptions::for_arch(tk, a))))
+        .collect();
+    let results = DiskCache::open_default().get_or_compile_all(&items, jobs());
+    for ((src, _), r) in items.iter().zip(results) {
+        let (cubin, _) = r.unwrap_or_else(|e| panic!("{} {}: {e}", src.name, src.arch));
+        let mut want = src.entry_points.clone();
+        want.sort();
+        assert_eq!(cubin_entry_points(&cubin).unwrap(), want, "{} {}", src.name, src.arch);
+    }
+}

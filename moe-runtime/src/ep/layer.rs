@@ -1,0 +1,523 @@
+//! The expert-parallel layer: this rank's experts as a [`MoeLayer`], the exchange kernels and
+//! their buffers, and the step's halves.
+
+use super::comm::{Comm, P2p};
+use super::map::ExpertMap;
+use super::EpError;
+use crate::device::Device;
+use crate::launch::{ptr, Kernel};
+use crate::layer::{ActElem, MoeLayer};
+use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
+use crate::weights::Weights;
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
+use moe_codegen::ep::{ep_entry, EP_PLAN_THREADS, EP_ROW_THREADS};
+use moe_codegen::params::{EpCombineParams, EpPackParams, EpPlanParams};
+use moe_codegen::{render_ep, ActDtype, MoeSpec};
+use std::sync::Arc;
+
+/// Bounds an expert-parallel layer's buffers are sized from, the same on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EpConfig {
+    /// The most tokens a rank passes in one step.
+    pub max_tokens: usize,
+    /// Rows of each peer slab (tokens one rank may send one peer in a step); `None`: the
+    /// worst case, `max_tokens`. Smaller saves memory and transfer time at large rank counts,
+    /// where a token reaches only some ranks; a step that overflows a slab drops those token
+    /// transfers and reports them through [`EpLayer::take_errors`].
+    pub capacity: Option<usize>,
+}
+
+impl EpConfig {
+    /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case.
+    pub fn new(max_tokens: usize) -> EpConfig {
+        EpConfig { max_tokens, capacity: None }
+    }
+    fn slab_rows(&self) -> usize {
+        self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Idle,
+    Sent,
+    Received,
+    Returning,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Step {
+    stage: Stage,
+    m: usize,
+    rows: usize,
+    local_done: bool,
+}
+
+struct Kernels {
+    plan: Kernel<EpPlanParams>,
+    pack: Kernel<EpPackParams>,
+    combine: Kernel<EpCombineParams>,
+}
+
+/// Device buffers, sized once from [`EpConfig`].
+struct Buffers {
+    owner: CudaSlice<i32>,
+    local: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    self_ids: CudaSlice<i32>,
+    self_weights: CudaSlice<f32>,
+    send_ids: CudaSlice<i32>,
+    send_weights: CudaSlice<f32>,
+    send_x: CudaSlice<u8>,
+    recv_x: CudaSlice<u8>,
+    recv_ids: CudaSlice<i32>,
+    recv_weights: CudaSlice<f32>,
+    y_self: CudaSlice<u8>,
+    y_recv: CudaSlice<u8>,
+    y_back: CudaSlice<u8>,
+    err: CudaSlice<i32>,
+}
+
+/// Events ordering the compute stream and the NCCL stream.
+struct Events {
+    packed: CudaEvent,
+    arrived: CudaEvent,
+    computed: CudaEvent,
+    returned: CudaEvent,
+}
+
+/// One rank of a MoE layer whose experts are spread over the ranks of a [`Comm`].
+pub struct EpLayer {
+    spec: MoeSpec,
+    map: ExpertMap,
+    cfg: EpConfig,
+    comm: Comm,
+    local: MoeLayer,
+    /// Slots per row of each rank's layer: min(top-k, the experts it holds).
+    slots: Vec<usize>,
+    stream: Arc<CudaStream>,
+    comm_stream: Arc<CudaStream>,
+    kernels: Kernels,
+    bufs: Buffers,
+    events: Events,
+    step: Step,
+    exchange_only: bool,
+}
+
+impl EpLayer {
+    /// This rank's part of the layer `spec` (every expert counted), experts placed by `map`:
+    /// `weights` holds this rank's experts only, in the map's local order
+    /// ([`crate::HostWeights::select_experts`] cuts them from a whole layer's). Checks with every
+    /// other rank that they built the same layer (spec, map, bounds): [`EpError::Mismatch`] if
+    /// not, [`EpError::Timeout`] if a rank never comes.
+    pub fn new<'w>(
+        device: &Device,
+        comm: Comm,
+        spec: MoeSpec,
+        map: ExpertMap,
+        weights: impl Into<Weights<'w>>,
+        cfg: EpConfig,
+    ) -> Result<EpLayer, EpError> {
+        let (rank, ranks) = (comm.rank(), comm.ranks());
+        if spec.shared_experts() > 0 {
+            return Err(EpError::Config(
+                "shared experts: run them on the token's own rank (e.g. between the halves) with a dense layer".into(),
+            ));
+        }
+        if map.experts() != spec.experts() || map.ranks() != ranks {
+            return Err(EpError::Config(format!(
+                "the expert map covers {} experts over {} ranks; the spec has {} experts and the communicator {ranks} ranks",
+                map.experts(),
+                map.ranks(),
+                spec.experts()
+            )));
+        }
+        if cfg.max_tokens == 0 || cfg.capacity == Some(0) {
+            return Err(EpError::Config(format!("bounds {cfg:?}: at least one token per step and per slab")));
+        }
+        if !Arc::ptr_eq(comm.context(), device.context()) {
+            return Err(EpError::Config("the communicator was made on another device".into()));
+        }
+        let stream = device.stream().clone();
+        // Every rank must have built the same layer: a 32-byte digest of it, gathered.
+        let digest = blake3::hash(format!("{spec:?}|{map:?}|{cfg:?}|{ranks}").as_bytes());
+        let all = comm.all_gather(digest.as_bytes(), &stream)?;
+        if let Some(other) = all.chunks(32).position(|d| d != digest.as_bytes()) {
+            return Err(EpError::Mismatch { me: rank, other });
+        }
+
+        let k = spec.top_k() as usize;
+        let slots: Vec<usize> = (0..ranks).map(|r| k.min(map.count(r) as usize)).collect();
+        let mut b = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(rank), slots[rank] as u32)
+            .weight_format(spec.weight_format())
+            .activation(spec.activation())
+            .act_dtype(spec.act_dtype())
+            .bias(spec.has_bias());
+        if let Some(d) = spec.dequant() {
+            b = b.dequant(d);
+        }
+        let local_spec = b.build().map_err(crate::error::RuntimeError::from)?;
+        let mut local = MoeLayer::load(device, local_spec, weights)?;
+        // Padding rows and experts held elsewhere are ids of -1, which the kernels skip.
+        local.set_validate_routing(false);
+        let rows = cfg.slab_rows();
+        let peers = ranks - 1;
+        local.reserve(cfg.max_tokens.max(peers * rows))?;
+
+        let src = render_ep(&spec, device.arch()).map_err(crate::error::RuntimeError::from)?;
+        let mut f = device.functions(&src, &[ep_entry::PLAN, ep_entry::PACK, ep_entry::COMBINE])?.into_iter();
+        let kernels = Kernels {
+            plan: Kernel::new(f.next().unwrap()),
+            pack: Kernel::new(f.next().unwrap()),
+            combine: Kernel::new(f.next().unwrap()),
+        };
+
+        let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
+        let peer_slots: usize = (1..ranks).map(|j| slots[(rank + j) % ranks]).sum();
+        let n = |v: usize| v.max(1);
+        let s = &stream;
+        let bufs = Buffers {
+            owner: s.clone_htod(&map.owners_i32())?,
+            local: s.clone_htod(&map.locals_i32())?,
+            slots: s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
+            pos: s.alloc_zeros(n(cfg.max_tokens * ranks))?,
+            self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
+            self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
+            send_ids: s.alloc_zeros(n(rows * peer_slots))?,
+            send_weights: s.alloc_zeros(n(rows * peer_slots))?,
+            send_x: s.alloc_zeros(n(peers * rows * row_bytes))?,
+            recv_x: s.alloc_zeros(n(peers * rows * row_bytes))?,
+            recv_ids: s.alloc_zeros(n(peers * rows * slots[rank]))?,
+            recv_weights: s.alloc_zeros(n(peers * rows * slots[rank]))?,
+            y_self: s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
+            y_recv: s.alloc_zeros(n(peers * rows * row_bytes))?,
+            y_back: s.alloc_zeros(n(peers * rows * row_bytes))?,
+            err: s.alloc_zeros(2)?,
+        };
+        let ctx = device.context();
+        let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
+        let events = Events { packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
+        let comm_stream = ctx.new_stream()?;
+        stream.synchronize()?;
+        Ok(EpLayer {
+            spec,
+            map,
+            cfg,
+            comm,
+            local,
+            slots,
+            stream,
+            comm_stream,
+            kernels,
+            bufs,
+            events,
+            step: Step { stage: Stage::Idle, m: 0, rows: 0, local_done: false },
+            exchange_only: false,
+        })
+    }
+
+    /// The whole layer's spec.
+    pub fn spec(&self) -> &MoeSpec {
+        &self.spec
+    }
+    /// Where the experts live.
+    pub fn map(&self) -> &ExpertMap {
+        &self.map
+    }
+    /// This rank's experts, as a single-GPU layer.
+    pub fn local_layer(&self) -> &MoeLayer {
+        &self.local
+    }
+    /// The stream every kernel of the step runs on (the device's); NCCL runs on its own,
+    /// joined by events.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Run the kernels of a step on `stream` (a stream of the layer's device) from now on.
+    pub fn set_stream(&mut self, stream: Arc<CudaStream>) -> Result<(), EpError> {
+        if !Arc::ptr_eq(stream.context(), self.stream.context()) || self.step.stage != Stage::Idle {
+            return Err(EpError::Config("a stream of the layer's device, between steps".into()));
+        }
+        self.stream = stream;
+        Ok(())
+    }
+
+    /// Benches only: the steps move tokens but run no expert (dispatch and combine timed alone).
+    #[doc(hidden)]
+    pub fn set_exchange_only(&mut self, on: bool) {
+        self.exchange_only = on;
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.spec.hidden() as usize * self.spec.act_dtype().bytes()
+    }
+
+    fn expect(&self, call: &'static str, stage: Stage, expected: &'static str) -> Result<(), EpError> {
+        if self.step.stage == stage {
+            Ok(())
+        } else {
+            Err(EpError::OutOfOrder { call, expected })
+        }
+    }
+
+    /// The whole step: `x [m, H]`, `topk_ids` / `topk_weights [m, k]` (ids of the whole layer,
+    /// -1 for a padding slot), `y [m, H]`. Every rank calls it with the same `m`.
+    pub fn forward<T: ActElem + 'static>(
+        &mut self,
+        x: &CudaSlice<T>,
+        topk_ids: &CudaSlice<i32>,
+        topk_weights: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<(), EpError> {
+        let s = self.stream.clone();
+        self.dispatch_send(
+            DeviceTensor::new(x, &s),
+            DeviceTensor::new(topk_ids, &s),
+            DeviceTensor::new(topk_weights, &s),
+        )?;
+        self.run_local_experts(DeviceTensor::new(x, &s))?;
+        self.dispatch_recv()?;
+        self.combine_send()?;
+        self.combine_recv(DeviceTensorMut::new(y, &s))
+    }
+
+    /// First half of the dispatch: plan the step, pack each token's row for the peers that own
+    /// its experts and start the transfers (no host wait).
+    pub fn dispatch_send<T: ActElem>(
+        &mut self,
+        x: DeviceTensor<'_, T>,
+        topk_ids: DeviceTensor<'_, i32>,
+        topk_weights: DeviceTensor<'_, f32>,
+    ) -> Result<(), EpError> {
+        self.expect("dispatch_send", Stage::Idle, "the previous step's combine_recv")?;
+        let m = self.check_x::<T>("x", x.len())?;
+        if m > self.cfg.max_tokens {
+            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
+        }
+        let k = self.spec.top_k() as usize;
+        for (what, got) in [("topk_ids", topk_ids.len()), ("topk_weights", topk_weights.len())] {
+            if got != m * k {
+                return Err(shape(what, format!("[{m}, {k}]"), format!("{got} elements")));
+            }
+        }
+        let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
+        let rows = m.min(self.cfg.slab_rows());
+        let s = &self.stream;
+        let b = &self.bufs;
+        let plan = EpPlanParams {
+            topk_ids: topk_ids.ptr(),
+            topk_weights: topk_weights.ptr(),
+            owner: ptr(&b.owner, s),
+            local: ptr(&b.local, s),
+            slots: ptr(&b.slots, s),
+            pos: ptr(&b.pos, s),
+            self_ids: ptr(&b.self_ids, s),
+            self_weights: ptr(&b.self_weights, s),
+            send_ids: ptr(&b.send_ids, s),
+            send_weights: ptr(&b.send_weights, s),
+            err: ptr(&b.err, s),
+            m: m as i32,
+            rows: rows as i32,
+            rank: rank as i32,
+            ranks: ranks as i32,
+        };
+        // SAFETY: every buffer was sized for max_tokens / the slab rows at construction.
+        unsafe { self.kernels.plan.launch(s, (1, EP_PLAN_THREADS, 0), false, plan)? };
+        if ranks > 1 {
+            let pack = EpPackParams {
+                x: x.ptr(),
+                pos: ptr(&b.pos, s),
+                send_x: ptr(&b.send_x, s),
+                m: m as i32,
+                rows: rows as i32,
+                ranks: ranks as i32,
+            };
+            unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), false, pack)? };
+        }
+        self.events.packed.record(s)?;
+        self.comm_stream.wait(&self.events.packed)?;
+        let ops = self.dispatch_ops(rows);
+        self.comm.group(&ops, &self.comm_stream)?;
+        self.events.arrived.record(&self.comm_stream)?;
+        self.step = Step { stage: Stage::Sent, m, rows, local_done: false };
+        Ok(())
+    }
+
+    /// To each peer (r + j) its slab j, from each peer (r - j) our region j.
+    fn dispatch_ops(&self, rows: usize) -> Vec<P2p> {
+        let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
+        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
+        let mine = self.slots[rank];
+        let mut ops = Vec::with_capacity(6 * ranks);
+        let mut meta_off = 0usize; // ids / weights of slabs before j
+        for j in 1..ranks {
+            let (to, from) = ((rank + j) % ranks, (rank + ranks - j) % ranks);
+            let theirs = self.slots[to];
+            let x_off = ((j - 1) * rows * rb) as u64;
+            let in_off = ((j - 1) * rows * mine * 4) as u64;
+            ops.push(P2p::Send { ptr: ptr(&b.send_x, s) + x_off, bytes: rows * rb, peer: to });
+            ops.push(P2p::Send { ptr: ptr(&b.send_ids, s) + 4 * meta_off as u64, bytes: rows * theirs * 4, peer: to });
+            ops.push(P2p::Send {
+                ptr: ptr(&b.send_weights, s) + 4 * meta_off as u64,
+                bytes: rows * theirs * 4,
+                peer: to,
+            });
+            ops.push(P2p::Recv { ptr: ptr(&b.recv_x, s) + x_off, bytes: rows * rb, peer: from });
+            ops.push(P2p::Recv { ptr: ptr(&b.recv_ids, s) + in_off, bytes: rows * mine * 4, peer: from });
+            ops.push(P2p::Recv { ptr: ptr(&b.recv_weights, s) + in_off, bytes: rows * mine * 4, peer: from });
+            meta_off += rows * theirs;
+        }
+        ops
+    }
+
+    /// This rank's experts on its own tokens, reading `x` (the step's, again) in place: nothing
+    /// travels for them, so this may run while the transfers are in flight (between
+    /// `dispatch_send` and `dispatch_recv`) or after.
+    pub fn run_local_experts<T: ActElem + 'static>(&mut self, x: DeviceTensor<'_, T>) -> Result<(), EpError> {
+        if !matches!(self.step.stage, Stage::Sent | Stage::Received) || self.step.local_done {
+            return Err(EpError::OutOfOrder { call: "run_local_experts", expected: "dispatch_send, once per step" });
+        }
+        let m = self.check_x::<T>("x", x.len())?;
+        if m != self.step.m {
+            return Err(shape("x", format!("the step's {} tokens", self.step.m), format!("{m} tokens")));
+        }
+        if !self.exchange_only {
+            let (s, b) = (&self.stream, &self.bufs);
+            let n = m * self.slots[self.comm.rank()];
+            let h = self.spec.hidden() as usize;
+            // SAFETY: the layer's own buffers, sized for max_tokens.
+            let (ids, w, y) = unsafe {
+                (
+                    DeviceTensor::<i32>::from_raw(ptr(&b.self_ids, s), n),
+                    DeviceTensor::<f32>::from_raw(ptr(&b.self_weights, s), n),
+                    DeviceTensorMut::<T>::from_raw(ptr(&b.y_self, s), m * h),
+                )
+            };
+            self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
+        }
+        self.step.local_done = true;
+        Ok(())
+    }
+
+    /// Second half of the dispatch: wait (on the stream) for the peers' slabs and run this
+    /// rank's experts on them.
+    pub fn dispatch_recv(&mut self) -> Result<(), EpError> {
+        self.expect("dispatch_recv", Stage::Sent, "dispatch_send")?;
+        self.stream.wait(&self.events.arrived)?;
+        let rows = (self.comm.ranks() - 1) * self.step.rows;
+        if rows > 0 && !self.exchange_only {
+            match self.spec.act_dtype() {
+                ActDtype::Bf16 => self.run_received::<half::bf16>(rows)?,
+                ActDtype::Fp16 => self.run_received::<half::f16>(rows)?,
+            }
+        }
+        self.step.stage = Stage::Received;
+        Ok(())
+    }
+
+    fn run_received<T: ActElem + 'static>(&self, rows: usize) -> Result<(), EpError> {
+        let (s, b) = (&self.stream, &self.bufs);
+        let (h, n) = (self.spec.hidden() as usize, rows * self.slots[self.comm.rank()]);
+        // SAFETY: the layer's own buffers, sized for (ranks - 1) slabs.
+        let (x, ids, w, y) = unsafe {
+            (
+                DeviceTensor::<T>::from_raw(ptr(&b.recv_x, s), rows * h),
+                DeviceTensor::<i32>::from_raw(ptr(&b.recv_ids, s), n),
+                DeviceTensor::<f32>::from_raw(ptr(&b.recv_weights, s), n),
+                DeviceTensorMut::<T>::from_raw(ptr(&b.y_recv, s), rows * h),
+            )
+        };
+        self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
+        Ok(())
+    }
+
+    /// First half of the combine: each slab's outputs back to the rank it came from (no host
+    /// wait). Needs this rank's experts to have run on its own tokens.
+    pub fn combine_send(&mut self) -> Result<(), EpError> {
+        self.expect("combine_send", Stage::Received, "dispatch_recv")?;
+        if !self.step.local_done {
+            return Err(EpError::OutOfOrder { call: "combine_send", expected: "run_local_experts" });
+        }
+        let (rank, ranks, rows) = (self.comm.rank(), self.comm.ranks(), self.step.rows);
+        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
+        self.events.computed.record(s)?;
+        self.comm_stream.wait(&self.events.computed)?;
+        let mut ops = Vec::with_capacity(2 * ranks);
+        for j in 1..ranks {
+            let (to, from) = ((rank + j) % ranks, (rank + ranks - j) % ranks);
+            let off = ((j - 1) * rows * rb) as u64;
+            ops.push(P2p::Send { ptr: ptr(&b.y_recv, s) + off, bytes: rows * rb, peer: from });
+            ops.push(P2p::Recv { ptr: ptr(&b.y_back, s) + off, bytes: rows * rb, peer: to });
+        }
+        self.comm.group(&ops, &self.comm_stream)?;
+        self.events.returned.record(&self.comm_stream)?;
+        self.step.stage = Stage::Returning;
+        Ok(())
+    }
+
+    /// Second half of the combine: wait (on the stream) for the outputs and sum each token's
+    /// partials into `y [m, H]`, rank by rank.
+    pub fn combine_recv<T: ActElem>(&mut self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
+        self.expect("combine_recv", Stage::Returning, "combine_send")?;
+        let m = self.check_x::<T>("y", y.len())?;
+        if m != self.step.m {
+            return Err(shape("y", format!("the step's {} tokens", self.step.m), format!("{m} tokens")));
+        }
+        let (s, b) = (&self.stream, &self.bufs);
+        s.wait(&self.events.returned)?;
+        let p = EpCombineParams {
+            y_self: ptr(&b.y_self, s),
+            y_peers: ptr(&b.y_back, s),
+            pos: ptr(&b.pos, s),
+            y: y.ptr(),
+            m: m as i32,
+            rows: self.step.rows as i32,
+            rank: self.comm.rank() as i32,
+            ranks: self.comm.ranks() as i32,
+        };
+        // SAFETY: y holds m rows (checked); the rest are the layer's buffers.
+        unsafe { self.kernels.combine.launch(s, (m as u32, EP_ROW_THREADS, 0), false, p)? };
+        self.step.stage = Stage::Idle;
+        Ok(())
+    }
+
+    /// Wait on the host for everything enqueued so far, within the communicator's timeout;
+    /// past it the communicator is aborted ([`EpError::Timeout`]).
+    pub fn synchronize(&self) -> Result<(), EpError> {
+        self.comm.synchronize(&self.comm_stream)?;
+        self.comm.synchronize(&self.stream)
+    }
+
+    /// Token transfers dropped (slabs full) and ids skipped since the last call: an error if
+    /// any. Waits on the host.
+    pub fn take_errors(&mut self) -> Result<(), EpError> {
+        self.synchronize()?;
+        let e = self.stream.clone_dtoh(&self.bufs.err)?;
+        self.stream.memset_zeros(&mut self.bufs.err)?;
+        if e[0] != 0 || e[1] != 0 {
+            return Err(EpError::Routing { dropped: e[1], invalid: e[0], capacity: self.cfg.slab_rows() });
+        }
+        Ok(())
+    }
+
+    fn check_x<T: ActElem>(&self, what: &'static str, len: usize) -> Result<usize, EpError> {
+        let h = self.spec.hidden() as usize;
+        if T::DTYPE != self.spec.act_dtype() {
+            return Err(shape("activation dtype", self.spec.act_dtype().to_string(), T::DTYPE.to_string()));
+        }
+        if len == 0 || len % h != 0 {
+            return Err(shape(what, format!("[m, {h}] with m >= 1"), format!("{len} elements")));
+        }
+        Ok(len / h)
+    }
+}
+
+fn shape(what: &'static str, expected: String, got: String) -> EpError {
+    EpError::Runtime(crate::error::RuntimeError::Shape { what, expected, got })
+}
