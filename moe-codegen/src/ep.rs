@@ -1,5 +1,5 @@
 //! The expert-parallel exchange module: the kernels around an expert-parallel step's NCCL
-//! transfers (plan, pack, combine), rendered per spec like the families (hidden size, top-k,
+//! transfers (count, place, combine), rendered per spec like the families (hidden size, top-k,
 //! experts and activation dtype baked in). The runtime's `ep` module launches them.
 
 use crate::params;
@@ -9,16 +9,18 @@ use askama::Template;
 
 /// The most ranks an expert-parallel layer spans (a token's destinations are one 64-bit mask).
 pub const EP_MAX_RANKS: u32 = 64;
-/// Threads of the plan kernel's one block.
-pub const EP_PLAN_THREADS: u32 = 1024;
+/// Tokens (one per thread) of a block of the count and place kernels.
+pub const EP_PLAN_THREADS: u32 = 128;
 /// Threads per block of the pack and combine kernels (one block per token).
 pub const EP_ROW_THREADS: u32 = 128;
 
 /// The exchange module's entry points.
 pub mod ep_entry {
-    /// The step's routing to the send plan.
-    pub const PLAN: &str = "moe_ep_plan";
-    /// Activations into the peers' send slabs.
+    /// Per block of tokens, how many go to each slab.
+    pub const COUNT: &str = "moe_ep_count";
+    /// Each token's rows in the slabs it goes to, with its routing and activations.
+    pub const PLACE: &str = "moe_ep_place";
+    /// Activations into the peers' slabs.
     pub const PACK: &str = "moe_ep_pack";
     /// Partial outputs summed in rank order.
     pub const COMBINE: &str = "moe_ep_combine";
@@ -67,7 +69,7 @@ pub fn render_ep(spec: &MoeSpec, arch: Arch) -> Result<KernelSource, CodegenErro
         arch,
         name: format!("ep_exchange_h{}_e{}_k{}_{}", spec.hidden(), spec.experts(), spec.top_k(), spec.act_dtype()),
         source,
-        entry_points: [ep_entry::PLAN, ep_entry::PACK, ep_entry::COMBINE].map(String::from).to_vec(),
+        entry_points: [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::COMBINE].map(String::from).to_vec(),
         block_threads: EP_ROW_THREADS,
         decode_tiles: None,
         grouped_tiles: None,

@@ -254,13 +254,24 @@ pub fn decode_decls() -> String {
 }
 
 kernel_params! {
-    /// `moe_ep_plan`: a step's routing to the expert-parallel send plan (one block).
-    EpPlanParams {
+    /// `moe_ep_count`: per block of tokens, how many go to each slab.
+    EpCountParams {
+        topk_ids: u64 = "const int* __restrict__",
+        owner: u64 = "const int* __restrict__",
+        counts: u64 = "int* __restrict__",
+        err: u64 = "int* __restrict__",
+        m: i32 = "int",
+        rank: i32 = "int",
+        ranks: i32 = "int",
+    }
+    /// `moe_ep_place`: each token's rows in the slabs it goes to, its routing and activations.
+    EpPlaceParams {
         topk_ids: u64 = "const int* __restrict__",
         topk_weights: u64 = "const float* __restrict__",
         owner: u64 = "const int* __restrict__",
         local: u64 = "const int* __restrict__",
         slots: u64 = "const int* __restrict__",
+        counts: u64 = "const int* __restrict__",
         pos: u64 = "int* __restrict__",
         self_ids: u64 = "int* __restrict__",
         self_weights: u64 = "float* __restrict__",
@@ -272,7 +283,7 @@ kernel_params! {
         rank: i32 = "int",
         ranks: i32 = "int",
     }
-    /// `moe_ep_pack`: each token's activations into the send slab of every peer it goes to.
+    /// `moe_ep_pack`: each token's activations into the peer slabs it goes to.
     EpPackParams {
         x: u64 = "const uint4* __restrict__",
         pos: u64 = "const int* __restrict__",
@@ -296,7 +307,7 @@ kernel_params! {
 
 /// The expert-parallel exchange module's parameter structs.
 pub fn ep_decls() -> String {
-    [EpPlanParams::c_decl(), EpPackParams::c_decl(), EpCombineParams::c_decl()].concat()
+    [EpCountParams::c_decl(), EpPlaceParams::c_decl(), EpPackParams::c_decl(), EpCombineParams::c_decl()].concat()
 }
 
 /// The declarations the grouped module needs.

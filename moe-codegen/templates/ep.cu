@@ -1,7 +1,9 @@
 // moeforge expert-parallel exchange: {{ spec_id }}
 // The kernels around the NCCL transfers of an expert-parallel step on one rank:
-//   moe_ep_plan     the step's routing -> where each token goes (one block, tokens in order);
-//   moe_ep_pack     each token's activations into the send slab of every peer it goes to;
+//   moe_ep_count    per block of tokens, how many go to each slab;
+//   moe_ep_place    each token's row in each slab it goes to (after every earlier block's) and
+//                   its routing rows there;
+//   moe_ep_pack     each token's activations into the slabs it goes to;
 //   moe_ep_combine  each token's partial outputs (its own experts', then each peer's) summed in
 //                   rank order in fp32: the same bits whatever the arrival order.
 // Slab j (1 <= j < ranks) travels to rank (rank + j) % ranks and, from the receiver's side, holds
@@ -60,20 +62,86 @@ __device__ __forceinline__ int write_row(const int (&e)[TOP_K], const int (&o)[T
     return over;
 }
 
-#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_plan)
-// One block walks the tokens in order, PLAN_THREADS at a time: a token's row in slab j is the
-// count of earlier tokens bound for j (warp ballots, then a scan over the warps), so the plan and
-// everything after it are deterministic. A slab full at `rows` drops the rest (counted in err[1]);
-// ids outside [0, EXPERTS) other than -1 (a padding slot) are skipped and counted in err[0].
+// A token's experts (-1 for none), their owners and weights, and the slabs it goes to (bit j:
+// slab j). `bad` counts ids outside [0, EXPERTS) other than -1 (a padding slot), which are skipped.
+struct TokenRoute {
+    int e[TOP_K], o[TOP_K];
+    float w[TOP_K];
+    unsigned long long mask;
+    int bad;
+};
+__device__ __forceinline__ TokenRoute load_route(const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                                                 const int* __restrict__ owner, int t, int m, int rank, int ranks) {
+    TokenRoute r;
+    r.mask = 0;
+    r.bad = 0;
+#pragma unroll
+    for (int s = 0; s < TOP_K; ++s) {
+        r.e[s] = -1;
+        r.o[s] = -1;
+        r.w[s] = 0.f;
+        if (t < m) {
+            int v = __ldg(topk_ids + (long)t * TOP_K + s);
+            if (v != -1 && (v < 0 || v >= EXPERTS)) {
+                ++r.bad;
+                v = -1;
+            }
+            if (v >= 0) {
+                r.e[s] = v;
+                r.o[s] = __ldg(owner + v);
+                r.w[s] = topk_weights ? __ldg(topk_weights + (long)t * TOP_K + s) : 0.f;
+                r.mask |= 1ull << ((r.o[s] - rank + ranks) % ranks);
+            }
+        }
+    }
+    return r;
+}
+
+// Each warp's count of tokens bound for each slab, into warp_n[warp][j].
+__device__ __forceinline__ void warp_counts(unsigned long long mask, int ranks, int (*warp_n)[MAX_RANKS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int j = 0; j < ranks; ++j) {
+        const unsigned b = __ballot_sync(MOE_FULL_MASK, (mask >> j) & 1);
+        if (lane == 0) warp_n[warp][j] = __popc(b);
+    }
+}
+
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_count)
+// Block b counts its PLAN_THREADS tokens bound for each slab: counts[b * ranks + j]. Ids outside
+// the experts (other than -1) are counted in err[0].
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
-moe_ep_plan(const __grid_constant__ EpPlanParams params) {
-    MOE_UNPACK_EpPlanParams(params);
-    __shared__ int base[MAX_RANKS];               // rows given out so far, per slab
-    __shared__ int warp_base[PLAN_WARPS][MAX_RANKS];
-    __shared__ int slab_off[MAX_RANKS];           // first id of each slab in send_ids
+moe_ep_count(const __grid_constant__ EpCountParams params) {
+    MOE_UNPACK_EpCountParams(params);
+    __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
+    const int t = blockIdx.x * PLAN_THREADS + threadIdx.x;
+    const TokenRoute r = load_route(topk_ids, nullptr, owner, t, m, rank, ranks);
+    if (r.bad) atomicAdd(err, r.bad);
+    warp_counts(r.mask, ranks, warp_n);
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        int n = 0;
+        for (int w = 0; w < PLAN_WARPS; ++w) n += warp_n[w][threadIdx.x];
+        counts[blockIdx.x * ranks + threadIdx.x] = n;
+    }
+}
+#endif
+
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_place)
+// Block b places its tokens after every earlier block's (counts from moe_ep_count), so a
+// token's row in slab j is the number of earlier tokens bound for j: deterministic, in token
+// order. It writes each token's routing rows (its own experts' for every token, each peer's
+// for the tokens bound there). A slab
+// full at `rows` drops the rest (err[1]); the last block pads each slab's unused rows with -1.
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
+moe_ep_place(const __grid_constant__ EpPlaceParams params) {
+    MOE_UNPACK_EpPlaceParams(params);
+    __shared__ int base[MAX_RANKS];  // this block's first row per slab, then past its last
+    __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
+    __shared__ int slab_off[MAX_RANKS];  // first id of each slab in send_ids
     __shared__ int slab_slots[MAX_RANKS];
-    __shared__ int invalid, dropped;
+    __shared__ int dropped;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t = blockIdx.x * PLAN_THREADS + tid;
     if (tid == 0) {
         int off = 0;
         for (int j = 0; j < ranks; ++j) {
@@ -82,98 +150,72 @@ moe_ep_plan(const __grid_constant__ EpPlanParams params) {
             slab_off[j] = off;
             if (j > 0) off += rows * s;
         }
-        invalid = 0;
         dropped = 0;
     }
-    if (tid < MAX_RANKS) base[tid] = 0;
+    if (tid < ranks) {
+        int b = 0;
+        for (int q = 0; q < (int)blockIdx.x; ++q) b += counts[q * ranks + tid];
+        base[tid] = b;
+    }
+    const TokenRoute r = load_route(topk_ids, topk_weights, owner, t, m, rank, ranks);
+    warp_counts(r.mask, ranks, warp_n);
     __syncthreads();
-    for (int t0 = 0; t0 < m; t0 += PLAN_THREADS) {
-        const int t = t0 + tid;
-        int e[TOP_K], o[TOP_K];
-        float w[TOP_K];
-        unsigned long long mask = 0;
-        int bad = 0;
-#pragma unroll
-        for (int s = 0; s < TOP_K; ++s) {
-            e[s] = -1;
-            o[s] = -1;
-            w[s] = 0.f;
-            if (t < m) {
-                int v = __ldg(topk_ids + (long)t * TOP_K + s);
-                if (v != -1 && (v < 0 || v >= EXPERTS)) {
-                    ++bad;
-                    v = -1;
-                }
-                if (v >= 0) {
-                    e[s] = v;
-                    o[s] = __ldg(owner + v);
-                    w[s] = __ldg(topk_weights + (long)t * TOP_K + s);
-                    mask |= 1ull << ((o[s] - rank + ranks) % ranks);
-                }
-            }
+    if (tid < ranks) {
+        int run = base[tid];
+        for (int w = 0; w < PLAN_WARPS; ++w) {
+            const int c = warp_n[w][tid];
+            warp_n[w][tid] = run;
+            run += c;
         }
-        for (int j = 0; j < ranks; ++j) {
-            const unsigned b = __ballot_sync(MOE_FULL_MASK, (mask >> j) & 1);
-            if (lane == 0) warp_base[warp][j] = __popc(b);
-        }
-        __syncthreads();
-        if (tid < ranks) {
-            int run = base[tid];
-            for (int wp = 0; wp < PLAN_WARPS; ++wp) {
-                const int c = warp_base[wp][tid];
-                warp_base[wp][tid] = run;
-                run += c;
-            }
-            base[tid] = run;
-        }
-        __syncthreads();
-        for (int j = 0; j < ranks; ++j) {
-            const bool goes = (mask >> j) & 1;
-            const unsigned b = __ballot_sync(MOE_FULL_MASK, goes);
-            if (t >= m) continue;
-            const int p = (rank + j) % ranks;
-            if (j == 0) {
-                // Own experts: every token gets a row (x is read in place), -1 where none is here.
-                pos[(long)t * ranks] = goes ? t : -1;
-                bad += write_row(e, o, w, local, p, slab_slots[0], self_ids + (long)t * slab_slots[0],
-                                 self_weights + (long)t * slab_slots[0]);
-                continue;
-            }
-            int row = -1;
-            if (goes) {
-                row = warp_base[warp][j] + __popc(b & ep_lanemask_lt());
-                if (row < rows) {
-                    const long at = slab_off[j] + (long)row * slab_slots[j];
-                    bad += write_row(e, o, w, local, p, slab_slots[j], send_ids + at, send_weights + at);
-                } else {
-                    row = -1;
-                    atomicAdd(&dropped, 1);
-                }
-            }
-            pos[(long)t * ranks + j] = row;
-        }
-        if (bad) atomicAdd(&invalid, bad);
-        __syncthreads();  // warp_base is rewritten by the next tokens
+        base[tid] = run;
     }
+    __syncthreads();
+    for (int j = 0; j < ranks; ++j) {
+        const bool goes = (r.mask >> j) & 1;
+        const unsigned b = __ballot_sync(MOE_FULL_MASK, goes);
+        if (t >= m) continue;
+        const int p = (rank + j) % ranks;
+        if (j == 0) {
+            // Own experts: every token gets a row (x is read in place), -1 where none is here.
+            pos[(long)t * ranks] = goes ? t : -1;
+            const int over = write_row(r.e, r.o, r.w, local, p, slab_slots[0], self_ids + (long)t * slab_slots[0],
+                                       self_weights + (long)t * slab_slots[0]);
+            if (over) atomicAdd(err, over);
+            continue;
+        }
+        int row = -1;
+        if (goes) {
+            row = warp_n[warp][j] + __popc(b & ep_lanemask_lt());
+            if (row < rows) {
+                const long at = slab_off[j] + (long)row * slab_slots[j];
+                const int over = write_row(r.e, r.o, r.w, local, p, slab_slots[j], send_ids + at, send_weights + at);
+                if (over) atomicAdd(err, over);
+            } else {
+                row = -1;
+                atomicAdd(&dropped, 1);
+            }
+        }
+        pos[(long)t * ranks + j] = row;
+    }
+    if (tid == 0 && dropped) atomicAdd(err + 1, dropped);
     // Padding rows: the receiver's layer runs every row of the slab and skips ids of -1.
-    for (int j = 1; j < ranks; ++j) {
-        const int used = min(base[j], rows);
-        const long first = slab_off[j] + (long)used * slab_slots[j];
-        const long n = (long)(rows - used) * slab_slots[j];
-        for (long i = tid; i < n; i += PLAN_THREADS) {
-            send_ids[first + i] = -1;
-            send_weights[first + i] = 0.f;
+    if (blockIdx.x == gridDim.x - 1) {
+        for (int j = 1; j < ranks; ++j) {
+            const int used = min(base[j], rows);
+            const long from = slab_off[j] + (long)used * slab_slots[j];
+            const long n = (long)(rows - used) * slab_slots[j];
+            for (long i = tid; i < n; i += PLAN_THREADS) {
+                send_ids[from + i] = -1;
+                send_weights[from + i] = 0.f;
+            }
         }
-    }
-    if (tid == 0) {
-        if (invalid) atomicAdd(err, invalid);
-        if (dropped) atomicAdd(err + 1, dropped);
     }
 }
 #endif
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_pack)
-// Block t copies token t's row into each peer slab that takes it.
+// Block t copies token t's activations into each peer slab that takes it (rows from
+// moe_ep_place): one block per token keeps every SM copying.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 moe_ep_pack(const __grid_constant__ EpPackParams params) {
     MOE_UNPACK_EpPackParams(params);

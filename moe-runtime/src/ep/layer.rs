@@ -11,7 +11,7 @@ use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 use moe_codegen::ep::{ep_entry, EP_PLAN_THREADS, EP_ROW_THREADS};
-use moe_codegen::params::{EpCombineParams, EpPackParams, EpPlanParams};
+use moe_codegen::params::{EpCombineParams, EpCountParams, EpPackParams, EpPlaceParams};
 use moe_codegen::{render_ep, ActDtype, MoeSpec};
 use std::sync::Arc;
 
@@ -50,11 +50,13 @@ struct Step {
     stage: Stage,
     m: usize,
     rows: usize,
-    local_done: bool,
+    /// This rank's own tokens its experts have run on: `[0, local_next)`.
+    local_next: usize,
 }
 
 struct Kernels {
-    plan: Kernel<EpPlanParams>,
+    count: Kernel<EpCountParams>,
+    place: Kernel<EpPlaceParams>,
     pack: Kernel<EpPackParams>,
     combine: Kernel<EpCombineParams>,
 }
@@ -64,6 +66,8 @@ struct Buffers {
     owner: CudaSlice<i32>,
     local: CudaSlice<i32>,
     slots: CudaSlice<i32>,
+    /// Per block of tokens, how many go to each slab.
+    counts: CudaSlice<i32>,
     pos: CudaSlice<i32>,
     self_ids: CudaSlice<i32>,
     self_weights: CudaSlice<f32>,
@@ -166,9 +170,11 @@ impl EpLayer {
         local.reserve(cfg.max_tokens.max(peers * rows))?;
 
         let src = render_ep(&spec, device.arch()).map_err(crate::error::RuntimeError::from)?;
-        let mut f = device.functions(&src, &[ep_entry::PLAN, ep_entry::PACK, ep_entry::COMBINE])?.into_iter();
+        let mut f =
+            device.functions(&src, &[ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::COMBINE])?.into_iter();
         let kernels = Kernels {
-            plan: Kernel::new(f.next().unwrap()),
+            count: Kernel::new(f.next().unwrap()),
+            place: Kernel::new(f.next().unwrap()),
             pack: Kernel::new(f.next().unwrap()),
             combine: Kernel::new(f.next().unwrap()),
         };
@@ -181,6 +187,7 @@ impl EpLayer {
             owner: s.clone_htod(&map.owners_i32())?,
             local: s.clone_htod(&map.locals_i32())?,
             slots: s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
+            counts: s.alloc_zeros(n(token_blocks(cfg.max_tokens) * ranks))?,
             pos: s.alloc_zeros(n(cfg.max_tokens * ranks))?,
             self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
             self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
@@ -198,7 +205,11 @@ impl EpLayer {
         let ctx = device.context();
         let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
         let events = Events { packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
-        let comm_stream = ctx.new_stream()?;
+        // NCCL's kernels on the highest priority: the block scheduler then starts them beside a
+        // persistent GEMM of this rank's own tokens instead of after it.
+        let (mut least, mut greatest) = (0i32, 0i32);
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest).result()? };
+        let comm_stream = ctx.new_stream_with_priority(greatest)?;
         stream.synchronize()?;
         Ok(EpLayer {
             spec,
@@ -212,7 +223,7 @@ impl EpLayer {
             kernels,
             bufs,
             events,
-            step: Step { stage: Stage::Idle, m: 0, rows: 0, local_done: false },
+            step: Step { stage: Stage::Idle, m: 0, rows: 0, local_next: 0 },
             exchange_only: false,
         })
     }
@@ -276,12 +287,14 @@ impl EpLayer {
         y: &mut CudaSlice<T>,
     ) -> Result<(), EpError> {
         let s = self.stream.clone();
+        let xp = DeviceTensor::new(x, &s).ptr();
         self.dispatch_send(
             DeviceTensor::new(x, &s),
             DeviceTensor::new(topk_ids, &s),
             DeviceTensor::new(topk_weights, &s),
         )?;
-        self.run_local_experts(DeviceTensor::new(x, &s))?;
+        // Own tokens need no transfer: their experts run while the transfers are in flight.
+        self.run_local(xp, self.step.m)?;
         self.dispatch_recv()?;
         self.combine_send()?;
         self.combine_recv(DeviceTensorMut::new(y, &s))
@@ -310,12 +323,23 @@ impl EpLayer {
         let rows = m.min(self.cfg.slab_rows());
         let s = &self.stream;
         let b = &self.bufs;
-        let plan = EpPlanParams {
+        let blocks = token_blocks(m) as u32;
+        let count = EpCountParams {
+            topk_ids: topk_ids.ptr(),
+            owner: ptr(&b.owner, s),
+            counts: ptr(&b.counts, s),
+            err: ptr(&b.err, s),
+            m: m as i32,
+            rank: rank as i32,
+            ranks: ranks as i32,
+        };
+        let place = EpPlaceParams {
             topk_ids: topk_ids.ptr(),
             topk_weights: topk_weights.ptr(),
             owner: ptr(&b.owner, s),
             local: ptr(&b.local, s),
             slots: ptr(&b.slots, s),
+            counts: ptr(&b.counts, s),
             pos: ptr(&b.pos, s),
             self_ids: ptr(&b.self_ids, s),
             self_weights: ptr(&b.self_weights, s),
@@ -327,8 +351,12 @@ impl EpLayer {
             rank: rank as i32,
             ranks: ranks as i32,
         };
-        // SAFETY: every buffer was sized for max_tokens / the slab rows at construction.
-        unsafe { self.kernels.plan.launch(s, (1, EP_PLAN_THREADS, 0), false, plan)? };
+        // SAFETY: every buffer was sized for max_tokens / the slab rows at construction; x, the
+        // ids and the weights hold m tokens (checked).
+        unsafe {
+            self.kernels.count.launch(s, (blocks, EP_PLAN_THREADS, 0), false, count)?;
+            self.kernels.place.launch(s, (blocks, EP_PLAN_THREADS, 0), false, place)?;
+        }
         if ranks > 1 {
             let pack = EpPackParams {
                 x: x.ptr(),
@@ -338,6 +366,7 @@ impl EpLayer {
                 rows: rows as i32,
                 ranks: ranks as i32,
             };
+            // SAFETY: as above; send_x holds ranks - 1 slabs of the slab rows.
             unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), false, pack)? };
         }
         self.events.packed.record(s)?;
@@ -345,7 +374,7 @@ impl EpLayer {
         let ops = self.dispatch_ops(rows);
         self.comm.group(&ops, &self.comm_stream)?;
         self.events.arrived.record(&self.comm_stream)?;
-        self.step = Step { stage: Stage::Sent, m, rows, local_done: false };
+        self.step = Step { stage: Stage::Sent, m, rows, local_next: 0 };
         Ok(())
     }
 
@@ -377,31 +406,50 @@ impl EpLayer {
     }
 
     /// This rank's experts on its own tokens, reading `x` (the step's, again) in place: nothing
-    /// travels for them, so this may run while the transfers are in flight (between
-    /// `dispatch_send` and `dispatch_recv`) or after.
-    pub fn run_local_experts<T: ActElem + 'static>(&mut self, x: DeviceTensor<'_, T>) -> Result<(), EpError> {
-        if !matches!(self.step.stage, Stage::Sent | Stage::Received) || self.step.local_done {
-            return Err(EpError::OutOfOrder { call: "run_local_experts", expected: "dispatch_send, once per step" });
+    /// travels for them, so this may run while the transfers are in flight, anywhere between
+    /// `dispatch_send` and `combine_recv`.
+    pub fn run_local_experts<T: ActElem>(&mut self, x: DeviceTensor<'_, T>) -> Result<(), EpError> {
+        if !matches!(self.step.stage, Stage::Sent | Stage::Received | Stage::Returning) {
+            return Err(EpError::OutOfOrder { call: "run_local_experts", expected: "dispatch_send" });
         }
         let m = self.check_x::<T>("x", x.len())?;
         if m != self.step.m {
             return Err(shape("x", format!("the step's {} tokens", self.step.m), format!("{m} tokens")));
         }
-        if !self.exchange_only {
-            let (s, b) = (&self.stream, &self.bufs);
-            let n = m * self.slots[self.comm.rank()];
-            let h = self.spec.hidden() as usize;
-            // SAFETY: the layer's own buffers, sized for max_tokens.
-            let (ids, w, y) = unsafe {
-                (
-                    DeviceTensor::<i32>::from_raw(ptr(&b.self_ids, s), n),
-                    DeviceTensor::<f32>::from_raw(ptr(&b.self_weights, s), n),
-                    DeviceTensorMut::<T>::from_raw(ptr(&b.y_self, s), m * h),
-                )
-            };
-            self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
+        self.run_local(x.ptr(), m)
+    }
+
+    /// Own tokens `[local_next, upto)` through this rank's experts (x checked by the caller).
+    fn run_local(&mut self, x: u64, upto: usize) -> Result<(), EpError> {
+        let lo = self.step.local_next;
+        if upto <= lo {
+            return Ok(());
         }
-        self.step.local_done = true;
+        if !self.exchange_only {
+            match self.spec.act_dtype() {
+                ActDtype::Bf16 => self.run_local_rows::<half::bf16>(x, lo, upto)?,
+                ActDtype::Fp16 => self.run_local_rows::<half::f16>(x, lo, upto)?,
+            }
+        }
+        self.step.local_next = upto;
+        Ok(())
+    }
+
+    fn run_local_rows<T: ActElem + 'static>(&self, x: u64, lo: usize, hi: usize) -> Result<(), EpError> {
+        let (s, b) = (&self.stream, &self.bufs);
+        let (h, slots) = (self.spec.hidden() as usize, self.slots[self.comm.rank()]);
+        let (rb, n) = (self.row_bytes() as u64, (hi - lo) * slots);
+        let ix = (lo * slots * 4) as u64;
+        // SAFETY: x holds the step's m >= hi tokens (checked); the rest are the layer's buffers.
+        let (x, ids, w, y) = unsafe {
+            (
+                DeviceTensor::<T>::from_raw(x + lo as u64 * rb, (hi - lo) * h),
+                DeviceTensor::<i32>::from_raw(ptr(&b.self_ids, s) + ix, n),
+                DeviceTensor::<f32>::from_raw(ptr(&b.self_weights, s) + ix, n),
+                DeviceTensorMut::<T>::from_raw(ptr(&b.y_self, s) + lo as u64 * rb, (hi - lo) * h),
+            )
+        };
+        self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
         Ok(())
     }
 
@@ -438,12 +486,9 @@ impl EpLayer {
     }
 
     /// First half of the combine: each slab's outputs back to the rank it came from (no host
-    /// wait). Needs this rank's experts to have run on its own tokens.
+    /// wait).
     pub fn combine_send(&mut self) -> Result<(), EpError> {
         self.expect("combine_send", Stage::Received, "dispatch_recv")?;
-        if !self.step.local_done {
-            return Err(EpError::OutOfOrder { call: "combine_send", expected: "run_local_experts" });
-        }
         let (rank, ranks, rows) = (self.comm.rank(), self.comm.ranks(), self.step.rows);
         let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
         self.events.computed.record(s)?;
@@ -462,9 +507,13 @@ impl EpLayer {
     }
 
     /// Second half of the combine: wait (on the stream) for the outputs and sum each token's
-    /// partials into `y [m, H]`, rank by rank.
+    /// partials into `y [m, H]`, rank by rank. This rank's experts must have run on all its own
+    /// tokens ([`EpLayer::run_local_experts`]).
     pub fn combine_recv<T: ActElem>(&mut self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
         self.expect("combine_recv", Stage::Returning, "combine_send")?;
+        if self.step.local_next != self.step.m {
+            return Err(EpError::OutOfOrder { call: "combine_recv", expected: "run_local_experts" });
+        }
         let m = self.check_x::<T>("y", y.len())?;
         if m != self.step.m {
             return Err(shape("y", format!("the step's {} tokens", self.step.m), format!("{m} tokens")));
@@ -516,6 +565,11 @@ impl EpLayer {
         }
         Ok(len / h)
     }
+}
+
+/// Blocks of the count and place kernels for `m` tokens.
+fn token_blocks(m: usize) -> usize {
+    m.div_ceil(EP_PLAN_THREADS as usize)
 }
 
 fn shape(what: &'static str, expected: String, got: String) -> EpError {

@@ -1,0 +1,251 @@
+//! Expert parallelism over the GPUs of one host, one thread per rank: dispatch, combine and
+//! their round trip alone (no expert runs), and the whole layer against one GPU running every
+//! expert on the same tokens per GPU, measured in the same run. Every step is a CUDA graph,
+//! replayed back to back on every rank (the transfers pair the ranks up); a row's time is the
+//! slowest rank's median over five batches of replays.
+//!
+//! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
+//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--report FILE]`
+
+use half::bf16;
+use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moeforge::runtime::cudarc::driver::{CudaContext, CudaGraph, CudaStream};
+use moeforge::runtime::ep::{Comm, EpConfig, EpLayer, ExpertMap, UniqueId};
+use moeforge::runtime::testing::random_step;
+use moeforge::runtime::{timing, Device, DeviceWeights, MoeLayer};
+use moeforge::MoeSpec;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Duration;
+
+const GEOMETRIES: [(&str, u32, u32, u32, u32); 2] =
+    [("qwen3-30b-a3b", 2048, 768, 128, 8), ("deepseek-v3", 7168, 2048, 256, 8)];
+const REPLAYS: usize = 20;
+
+fn list<T: std::str::FromStr>(args: &[String], flag: &str) -> Option<Vec<T>> {
+    let i = args.iter().position(|a| a == flag)?;
+    Some(args.get(i + 1)?.split(',').filter_map(|v| v.parse().ok()).collect())
+}
+
+/// bf16 weights of `experts` experts filled on the device from one random 64 MiB block (the
+/// values only need to be realistic for the tensor cores' power draw).
+fn device_weights(s: &Arc<CudaStream>, spec: &MoeSpec, seed: u64) -> DeviceWeights {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    // bf16 codes are the format's code bytes: little-endian bits.
+    let block: Vec<u8> =
+        (0..32 << 20).flat_map(|_| bf16::from_f32(rng.random_range(-0.03f32..0.03)).to_bits().to_le_bytes()).collect();
+    let fill = |elems: usize| {
+        let bytes = elems * 2;
+        let mut d = s.alloc_zeros::<u8>(bytes).unwrap();
+        let mut at = 0;
+        while at < bytes {
+            let n = (bytes - at).min(block.len());
+            s.memcpy_htod(&block[..n], &mut d.slice_mut(at..at + n)).unwrap();
+            at += n;
+        }
+        s.synchronize().unwrap();
+        d
+    };
+    let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
+    DeviceWeights {
+        w13: fill(e * 2 * i * h),
+        w13_scales: None,
+        w2: fill(e * h * i),
+        w2_scales: None,
+        bias: None,
+        shared_gate: None,
+    }
+}
+
+/// Median microseconds of one replay: five batches of `REPLAYS` back-to-back replays after five
+/// warm-ups.
+fn time(s: &Arc<CudaStream>, g: &CudaGraph) -> f64 {
+    for _ in 0..5 {
+        g.launch().unwrap();
+    }
+    let mut t: Vec<f64> = (0..5)
+        .map(|_| {
+            let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+            for _ in 0..REPLAYS {
+                g.launch().unwrap();
+            }
+            let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+            b.synchronize().unwrap();
+            a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPLAYS as f64
+        })
+        .collect();
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[2]
+}
+
+fn capture(s: &Arc<CudaStream>, f: impl FnOnce()) -> CudaGraph {
+    s.synchronize().unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    f();
+    s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph")
+}
+
+/// One GPU running every expert: microseconds per step at each token count.
+fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
+    let dev = Device::new(0).unwrap();
+    let s = dev.stream().clone();
+    let layer = MoeLayer::load(&dev, *spec, device_weights(&s, spec, 1)).unwrap();
+    tokens
+        .iter()
+        .map(|&m| {
+            layer.reserve(m).unwrap();
+            let (x, ids, rw) = random_step(spec, m, 0.0, 3);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
+            let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+            let g = capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap());
+            time(&s, &g)
+        })
+        .collect()
+}
+
+/// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
+/// this rank.
+fn rank(r: usize, n: usize, id: &UniqueId, spec: &MoeSpec, tokens: &[usize], layer_tokens: &[usize]) -> Vec<[f64; 5]> {
+    let dev = Device::new(r).unwrap();
+    let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
+    let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+    let s = dev.stream().clone();
+    let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
+    let w = device_weights(&s, &local, 2 + r as u64);
+    let max = *tokens.iter().max().unwrap();
+    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, EpConfig::new(max)).unwrap();
+    tokens
+        .iter()
+        .map(|&m| {
+            let (x, ids, rw) = random_step(spec, m, 0.0, 10 + r as u64);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
+            let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+            // Warm: the first step sets up the NCCL connections.
+            layer.forward(&dx, &di, &dw, &mut y).unwrap();
+            layer.synchronize().unwrap();
+            layer.set_exchange_only(true);
+            let xt = || moeforge::runtime::DeviceTensor::new(&dx, &s);
+            let dispatch = capture(&s, || {
+                layer
+                    .dispatch_send(
+                        xt(),
+                        moeforge::runtime::DeviceTensor::new(&di, &s),
+                        moeforge::runtime::DeviceTensor::new(&dw, &s),
+                    )
+                    .unwrap();
+                layer.run_local_experts(xt()).unwrap();
+                layer.dispatch_recv().unwrap();
+            });
+            let combine = capture(&s, || {
+                layer.combine_send().unwrap();
+                layer.combine_recv(moeforge::runtime::DeviceTensorMut::new(&mut y, &s)).unwrap();
+            });
+            let round_trip = capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap());
+            layer.set_exchange_only(false);
+            let full = layer_tokens.contains(&m).then(|| capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap()));
+            let mut t = [
+                time(&s, &dispatch),
+                time(&s, &combine),
+                time(&s, &round_trip),
+                full.map_or(0.0, |g| time(&s, &g)),
+                0.0,
+            ];
+            if layer_tokens.contains(&m) {
+                // The same step launched from the host each time (no graph): the streams' priorities
+                // apply as set, which a graph's nodes may not keep.
+                let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                for _ in 0..REPLAYS {
+                    layer.forward(&dx, &di, &dw, &mut y).unwrap();
+                }
+                let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                layer.synchronize().unwrap();
+                t[4] = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPLAYS as f64;
+            }
+            layer.synchronize().unwrap();
+            t
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let report = args.iter().position(|a| a == "--report").and_then(|i| args.get(i + 1)).cloned();
+    let devices = CudaContext::device_count().unwrap_or(0) as usize;
+    let n = list(&args, "--ranks").and_then(|v: Vec<usize>| v.first().copied()).unwrap_or(devices.min(2));
+    if n < 2 || n > devices {
+        eprintln!("the ep bench needs at least 2 GPUs ({n} ranks asked, {devices} GPUs found)");
+        std::process::exit(1);
+    }
+    let geos: Vec<String> = list(&args, "--geometries").unwrap_or(GEOMETRIES.iter().map(|g| g.0.to_string()).collect());
+    let tokens: Vec<usize> = list(&args, "--tokens").unwrap_or(vec![1, 8, 128, 1024, 4096]);
+    // `--layer-tokens none`: no whole-layer rows (and no one-GPU baseline).
+    let layer_tokens: Vec<usize> = list(&args, "--layer-tokens").unwrap_or(vec![4096]);
+    let device = Device::new(0).unwrap().name();
+    let date = timing::today();
+    let mut out = report
+        .as_ref()
+        .map(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap_or_else(|e| panic!("{p}: {e}")));
+    for (geo, h, i, e, k) in GEOMETRIES {
+        if !geos.iter().any(|g| g == geo) {
+            continue;
+        }
+        let spec = MoeSpec::builder(h, i, e, k).build().unwrap();
+        let single = if layer_tokens.is_empty() { Vec::new() } else { one_gpu(&spec, &layer_tokens) };
+        let id = UniqueId::new().unwrap();
+        let all: Vec<usize> = tokens
+            .iter()
+            .chain(&layer_tokens)
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let per_rank: Vec<Vec<[f64; 5]>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    sc.spawn({
+                        let (id, spec, all, layer_tokens) = (&id, &spec, &all, &layer_tokens);
+                        move || rank(r, n, id, spec, all, layer_tokens)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (ti, &m) in all.iter().enumerate() {
+            let slowest = |kind: usize| per_rank.iter().map(|t| t[ti][kind]).fold(0.0, f64::max);
+            let mut rows = Vec::new();
+            if tokens.contains(&m) {
+                for (kind, name) in [(0, "dispatch"), (1, "combine"), (2, "round_trip")] {
+                    rows.push((name, slowest(kind), None));
+                }
+            }
+            if let Some(li) = layer_tokens.iter().position(|&l| l == m) {
+                let t = slowest(3);
+                rows.push(("layer", t, Some((single[li], n as f64 * single[li] / t))));
+            }
+            for (kind, us, layer) in rows {
+                let mut row = serde_json::json!({
+                    "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
+                    "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
+                    "device": device, "date": date,
+                });
+                let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n}: {us:9.1} us");
+                if let Some((one, speedup)) = layer {
+                    row["one_gpu_us"] = serde_json::json!((one * 1000.0).round() / 1000.0);
+                    row["speedup_vs_1gpu"] = serde_json::json!((speedup * 1000.0).round() / 1000.0);
+                    line += &format!(
+                        "  (one GPU {one:.1} us: {speedup:.2}x the throughput; launched eagerly {:.1} us)",
+                        slowest(4)
+                    );
+                }
+                println!("{line}");
+                if let Some(f) = out.as_mut() {
+                    use std::io::Write;
+                    writeln!(f, "{row}").unwrap();
+                }
+            }
+        }
+    }
+}

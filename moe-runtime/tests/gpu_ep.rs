@@ -1,0 +1,239 @@
+//! Expert parallelism on several GPUs of one host (one thread per rank, one NCCL communicator):
+//! the layer over 2 ranks (4 where the machine has them) against the single-GPU layer on the
+//! same weights, run-to-run bit identity, graph replay, and bad input ending in typed errors
+//! within the communicator's timeout. Ignored without GPUs; each test fails (never passes) on a
+//! machine with fewer than two.
+
+use half::bf16;
+use moe_codegen::MoeSpec;
+use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moe_runtime::cudarc::driver::CudaContext;
+use moe_runtime::ep::{Comm, EpConfig, EpError, EpLayer, ExpertMap, UniqueId};
+use moe_runtime::reference::compare;
+use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::{Device, HostWeights, MoeLayer};
+use std::time::Duration;
+
+const QWEN3: (u32, u32, u32, u32) = (2048, 768, 128, 8);
+
+fn qwen3() -> MoeSpec {
+    MoeSpec::builder(QWEN3.0, QWEN3.1, QWEN3.2, QWEN3.3).build().unwrap()
+}
+
+/// Ranks to test with: 4 where the machine has 4 GPUs, else 2; fails below 2.
+fn ranks() -> usize {
+    let n = CudaContext::device_count().unwrap_or_else(|e| panic!("these tests need NVIDIA GPUs: {e:?}")) as usize;
+    assert!(n >= 2, "expert-parallel tests need at least 2 GPUs, found {n}");
+    if n >= 4 {
+        4
+    } else {
+        2
+    }
+}
+
+/// `f(rank, id)` on one thread per rank, all with one fresh NCCL id.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(usize, &UniqueId) -> T + Sync) -> Vec<T> {
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn({
+                    let (f, id) = (&f, &id);
+                    move || f(r, id)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn comm(r: usize, n: usize, id: &UniqueId, secs: u64) -> (Device, Comm) {
+    let dev = Device::new(r).unwrap();
+    let c = Comm::new(&dev, r, n, id, Duration::from_secs(secs)).unwrap();
+    (dev, c)
+}
+
+/// A step on one rank: (x, ids, weights) as the host has them.
+type Step = (Vec<f32>, Vec<i32>, Vec<f32>);
+
+/// y of the single-GPU layer (all experts, device 0) for each step.
+fn single_gpu(spec: &MoeSpec, w: &HostWeights, steps: &[Step]) -> Vec<Vec<f32>> {
+    let dev = Device::new(0).unwrap();
+    let layer = MoeLayer::load(&dev, *spec, w).unwrap();
+    let s = layer.stream().clone();
+    steps
+        .iter()
+        .map(|(x, ids, rw)| {
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap());
+            let mut y = s.alloc_zeros::<bf16>(x.len()).unwrap();
+            layer.forward(&dx, &di, &dw, &mut y).unwrap();
+            s.clone_dtoh(&y).unwrap().into_iter().map(f32::from).collect()
+        })
+        .collect()
+}
+
+/// One EP step on a rank, y poisoned first; returns y's bits.
+fn ep_step(layer: &mut EpLayer, (x, ids, rw): &Step) -> Vec<u16> {
+    let s = layer.stream().clone();
+    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap());
+    let mut y = s.clone_htod(&vec![bf16::NAN; x.len()]).unwrap();
+    layer.forward(&dx, &di, &dw, &mut y).unwrap();
+    layer.synchronize().unwrap();
+    s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn ep_layer_matches_the_single_gpu_layer() {
+    let n = ranks();
+    let spec = qwen3();
+    let seed = fresh_seed();
+    let w = random_weights(&spec, seed);
+    let cases: Vec<(f64, usize)> = [0.0, 0.85].iter().flat_map(|&skew| [1, 7, 128, 4096].map(|m| (skew, m))).collect();
+    // steps[case][rank]
+    let steps: Vec<Vec<Step>> = cases
+        .iter()
+        .enumerate()
+        .map(|(c, &(skew, m))| (0..n).map(|r| random_step(&spec, m, skew, seed ^ (1000 * c + r) as u64)).collect())
+        .collect();
+    let flat: Vec<Step> = steps.iter().flatten().cloned().collect();
+    let want = single_gpu(&spec, &w, &flat);
+    let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+    let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
+        let (dev, c) = comm(r, n, id, 60);
+        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(4096)).unwrap();
+        let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
+        layer.take_errors().unwrap();
+        out
+    });
+    for (ci, &(skew, m)) in cases.iter().enumerate() {
+        for r in 0..n {
+            let (a, b) = &got[r][ci];
+            assert_eq!(a, b, "rank {r} skew {skew} m {m}: two runs differ");
+            let y: Vec<f32> = a.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
+            let reference: Vec<f64> = want[ci * n + r].iter().map(|&v| v as f64).collect();
+            let (rel, cos) = compare(&y, &reference);
+            eprintln!("{n} ranks, rank {r}, skew {skew}, m {m}: rel L2 {rel:.2e}, cosine {cos:.8} vs one GPU");
+            assert!(rel <= 5e-3 && cos >= 0.99999, "rank {r} skew {skew} m {m}: rel {rel:.3e} cos {cos}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn ep_step_replays_from_a_cuda_graph() {
+    let n = ranks();
+    let spec = qwen3();
+    let seed = fresh_seed();
+    let w = random_weights(&spec, seed);
+    let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+    on_ranks(n, |r, id| {
+        let (dev, c) = comm(r, n, id, 60);
+        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(256)).unwrap();
+        let step = random_step(&spec, 200, 0.5, seed ^ r as u64);
+        let eager = ep_step(&mut layer, &step);
+        let s = layer.stream().clone();
+        let xb: Vec<bf16> = step.0.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&step.1).unwrap(), s.clone_htod(&step.2).unwrap());
+        let mut y = s.clone_htod(&vec![bf16::NAN; xb.len()]).unwrap();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        let res = layer.forward(&dx, &di, &dw, &mut y);
+        let graph = s.end_capture(CUgraphInstantiate_flags(0));
+        res.unwrap();
+        let graph = graph.unwrap().expect("a graph");
+        for _ in 0..3 {
+            s.memcpy_htod(&vec![bf16::NAN; xb.len()], &mut y).unwrap();
+            graph.launch().unwrap();
+            layer.synchronize().unwrap();
+            let got: Vec<u16> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, eager, "rank {r}: a replay differs from the eager step");
+        }
+    });
+}
+
+/// Each case on fresh communicators: what every rank gets.
+fn bad<T: Send>(f: impl Fn(usize, Device, Comm) -> T + Sync) -> Vec<T> {
+    on_ranks(2, |r, id| {
+        let (dev, c) = comm(r, 2, id, 5);
+        f(r, dev, c)
+    })
+}
+
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn bad_input_is_a_typed_error_and_never_a_hang() {
+    ranks();
+    let spec = qwen3();
+    let w = random_weights(&spec, fresh_seed());
+    let map = ExpertMap::contiguous(spec.experts(), 2).unwrap();
+    let local = |r: usize| w.select_experts(&spec, &map.experts_of(r)).unwrap();
+    let cfg = EpConfig::new(8);
+
+    // Ranks that disagree on the spec both find out at construction.
+    let other = MoeSpec::builder(QWEN3.0, QWEN3.1, QWEN3.2, 6).build().unwrap();
+    let got = bad(|r, dev, c| {
+        let s = if r == 1 { other } else { spec };
+        let wl = random_weights(&MoeSpec::builder(QWEN3.0, QWEN3.1, 64, s.top_k()).build().unwrap(), 1);
+        EpLayer::new(&dev, c, s, map.clone(), &wl, cfg).err()
+    });
+    assert!(matches!(got[0], Some(EpError::Mismatch { me: 0, other: 1 })), "{:?}", got[0]);
+    assert!(matches!(got[1], Some(EpError::Mismatch { me: 1, other: 0 })), "{:?}", got[1]);
+
+    // A map that drops an expert is refused where it is made; the rank that waits for the
+    // other one times out.
+    let t0 = std::time::Instant::now();
+    let got = bad(|r, dev, c| {
+        if r == 0 {
+            ExpertMap::from_lists(&[(0..63).collect(), (64..128).collect()], 128).err()
+        } else {
+            EpLayer::new(&dev, c, spec, map.clone(), &local(1), cfg).err()
+        }
+    });
+    assert!(matches!(&got[0], Some(EpError::ExpertMap(w)) if w.contains("63")), "{:?}", got[0]);
+    assert!(matches!(got[1], Some(EpError::Timeout { .. })), "{:?}", got[1]);
+    assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
+
+    // A step past the bound: refused on that rank; its peer's step times out.
+    let got = bad(|r, dev, c| {
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local(r), cfg).unwrap();
+        let m = if r == 1 { 9 } else { 8 };
+        let (x, ids, rw) = random_step(&spec, m, 0.0, 5 + r as u64);
+        let s = layer.stream().clone();
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
+        let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+        match layer.forward(&dx, &di, &dw, &mut y) {
+            Err(e) => Some(e),
+            Ok(()) => layer.synchronize().err(),
+        }
+    });
+    assert!(matches!(got[1], Some(EpError::TooManyTokens { m: 9, max: 8 })), "{:?}", got[1]);
+    assert!(matches!(got[0], Some(EpError::Timeout { .. })), "{:?}", got[0]);
+
+    // Slabs of 2 rows for 7 tokens drop transfers; an id past the experts is skipped; both are
+    // reported, and calls out of order are refused.
+    let got = bad(|r, dev, c| {
+        let mut layer =
+            EpLayer::new(&dev, c, spec, map.clone(), &local(r), EpConfig { max_tokens: 8, capacity: Some(2) }).unwrap();
+        let out_of_order = layer.combine_send().err();
+        let (x, mut ids, rw) = random_step(&spec, 7, 0.0, 9 + r as u64);
+        ids[3] = 128;
+        let s = layer.stream().clone();
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
+        let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+        layer.forward(&dx, &di, &dw, &mut y).unwrap();
+        (out_of_order, layer.take_errors().err())
+    });
+    for (r, (ooo, errs)) in got.iter().enumerate() {
+        assert!(matches!(ooo, Some(EpError::OutOfOrder { .. })), "rank {r}: {ooo:?}");
+        assert!(
+            matches!(errs, Some(EpError::Routing { dropped, invalid: 1, capacity: 2 }) if *dropped > 0),
+            "rank {r}: {errs:?}"
+        );
+    }
+}
