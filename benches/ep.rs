@@ -107,15 +107,24 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
 
 /// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
 /// this rank.
-fn rank(r: usize, n: usize, id: &UniqueId, spec: &MoeSpec, tokens: &[usize], layer_tokens: &[usize]) -> Vec<[f64; 5]> {
+fn rank(
+    r: usize,
+    n: usize,
+    id: &UniqueId,
+    spec: &MoeSpec,
+    tokens: &[usize],
+    layer_tokens: &[usize],
+    knobs: (Option<u32>, u32),
+) -> Vec<[f64; 5]> {
     let dev = Device::new(r).unwrap();
-    let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
+    let comm = Comm::with_max_ctas(&dev, r, n, id, Duration::from_secs(120), knobs.0).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
     let s = dev.stream().clone();
     let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
-    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, EpConfig::new(max)).unwrap();
+    let mut layer =
+        EpLayer::new(&dev, comm, *spec, map, w, EpConfig { sm_reserve: knobs.1, ..EpConfig::new(max) }).unwrap();
     tokens
         .iter()
         .map(|&m| {
@@ -183,6 +192,10 @@ fn main() {
     let tokens: Vec<usize> = list(&args, "--tokens").unwrap_or(vec![1, 8, 128, 1024, 4096]);
     // `--layer-tokens none`: no whole-layer rows (and no one-GPU baseline).
     let layer_tokens: Vec<usize> = list(&args, "--layer-tokens").unwrap_or(vec![4096]);
+    // `--nccl-ctas N --sm-reserve N`: NCCL's CTA cap and the SMs the experts leave it.
+    let nccl_ctas = list(&args, "--nccl-ctas").and_then(|v: Vec<u32>| v.first().copied());
+    let sm_reserve = list(&args, "--sm-reserve").and_then(|v: Vec<u32>| v.first().copied()).unwrap_or(0);
+    let knobs = (nccl_ctas, sm_reserve);
     let device = Device::new(0).unwrap().name();
     let date = timing::today();
     let mut out = report
@@ -207,7 +220,7 @@ fn main() {
                 .map(|r| {
                     sc.spawn({
                         let (id, spec, all, layer_tokens) = (&id, &spec, &all, &layer_tokens);
-                        move || rank(r, n, id, spec, all, layer_tokens)
+                        move || rank(r, n, id, spec, all, layer_tokens, knobs)
                     })
                 })
                 .collect();
@@ -229,6 +242,7 @@ fn main() {
                 let mut row = serde_json::json!({
                     "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
+                    "nccl_max_ctas": nccl_ctas, "sm_reserve": sm_reserve,
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n}: {us:9.1} us");

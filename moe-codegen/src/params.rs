@@ -259,7 +259,6 @@ kernel_params! {
         topk_ids: u64 = "const int* __restrict__",
         owner: u64 = "const int* __restrict__",
         counts: u64 = "int* __restrict__",
-        err: u64 = "int* __restrict__",
         m: i32 = "int",
         rank: i32 = "int",
         ranks: i32 = "int",
@@ -275,8 +274,7 @@ kernel_params! {
         pos: u64 = "int* __restrict__",
         self_ids: u64 = "int* __restrict__",
         self_weights: u64 = "float* __restrict__",
-        send_ids: u64 = "int* __restrict__",
-        send_weights: u64 = "float* __restrict__",
+        send: u64 = "char* __restrict__",
         err: u64 = "int* __restrict__",
         m: i32 = "int",
         rows: i32 = "int",
@@ -287,9 +285,11 @@ kernel_params! {
     EpPackParams {
         x: u64 = "const uint4* __restrict__",
         pos: u64 = "const int* __restrict__",
-        send_x: u64 = "uint4* __restrict__",
+        slots: u64 = "const int* __restrict__",
+        send: u64 = "char* __restrict__",
         m: i32 = "int",
         rows: i32 = "int",
+        rank: i32 = "int",
         ranks: i32 = "int",
     }
     /// `moe_ep_combine`: each token's partial outputs, summed in rank order.

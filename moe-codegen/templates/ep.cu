@@ -27,6 +27,18 @@ constexpr int ROW_VECS = HIDDEN * (int)sizeof(act_t) / 16;  // 16-byte vectors p
 constexpr int VEC_ELEMS = 16 / (int)sizeof(act_t);
 static_assert(HIDDEN * sizeof(act_t) % 16 == 0, "activation rows are whole 16-byte vectors");
 static_assert(MAX_RANKS <= 64, "a token's destinations are one 64-bit mask");
+constexpr long ROW_BYTES = (long)ROW_VECS * 16;
+
+// A peer slab, one NCCL transfer: `rows` activation rows, then the rows' local expert ids, then
+// their weights (`slots` per row), each part 16-byte aligned (the host's `slab_bytes`).
+__device__ __forceinline__ long meta_bytes(int rows, int slots) { return ((long)rows * slots * 4 + 15) / 16 * 16; }
+__device__ __forceinline__ long slab_bytes(int rows, int slots) { return rows * ROW_BYTES + 2 * meta_bytes(rows, slots); }
+// Slab j's offset in the send buffer: the slabs for peers rank + 1, ..., rank + j - 1 before it.
+__device__ __forceinline__ long slab_offset(const int* __restrict__ slots, int j, int rows, int rank, int ranks) {
+    long off = 0;
+    for (int q = 1; q < j; ++q) off += slab_bytes(rows, __ldg(slots + (rank + q) % ranks));
+    return off;
+}
 
 __device__ __forceinline__ unsigned ep_lanemask_lt() {
     unsigned m;
@@ -107,15 +119,14 @@ __device__ __forceinline__ void warp_counts(unsigned long long mask, int ranks, 
 }
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_count)
-// Block b counts its PLAN_THREADS tokens bound for each slab: counts[b * ranks + j]. Ids outside
-// the experts (other than -1) are counted in err[0].
+// Block b counts its PLAN_THREADS tokens bound for each slab: counts[b * ranks + j]. A step of
+// one block needs no counts (moe_ep_place starts at row 0) and skips this kernel.
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_ep_count(const __grid_constant__ EpCountParams params) {
     MOE_UNPACK_EpCountParams(params);
     __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
     const int t = blockIdx.x * PLAN_THREADS + threadIdx.x;
     const TokenRoute r = load_route(topk_ids, nullptr, owner, t, m, rank, ranks);
-    if (r.bad) atomicAdd(err, r.bad);
     warp_counts(r.mask, ranks, warp_n);
     __syncthreads();
     if (threadIdx.x < ranks) {
@@ -130,25 +141,26 @@ moe_ep_count(const __grid_constant__ EpCountParams params) {
 // Block b places its tokens after every earlier block's (counts from moe_ep_count), so a
 // token's row in slab j is the number of earlier tokens bound for j: deterministic, in token
 // order. It writes each token's routing rows (its own experts' for every token, each peer's
-// for the tokens bound there). A slab
+// for the tokens bound there). Ids outside the experts other than -1 (a padding slot) are
+// skipped and counted in err[0]; duplicates that overflow a row's slots too. A slab
 // full at `rows` drops the rest (err[1]); the last block pads each slab's unused rows with -1.
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_ep_place(const __grid_constant__ EpPlaceParams params) {
     MOE_UNPACK_EpPlaceParams(params);
     __shared__ int base[MAX_RANKS];  // this block's first row per slab, then past its last
     __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
-    __shared__ int slab_off[MAX_RANKS];  // first id of each slab in send_ids
+    __shared__ long slab_ids[MAX_RANKS];  // byte offset of each slab's ids in `send`
     __shared__ int slab_slots[MAX_RANKS];
     __shared__ int dropped;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t = blockIdx.x * PLAN_THREADS + tid;
     if (tid == 0) {
-        int off = 0;
+        long off = 0;
         for (int j = 0; j < ranks; ++j) {
             const int s = slots[(rank + j) % ranks];
             slab_slots[j] = s;
-            slab_off[j] = off;
-            if (j > 0) off += rows * s;
+            slab_ids[j] = off + rows * ROW_BYTES;
+            if (j > 0) off += slab_bytes(rows, s);
         }
         dropped = 0;
     }
@@ -158,6 +170,7 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
         base[tid] = b;
     }
     const TokenRoute r = load_route(topk_ids, topk_weights, owner, t, m, rank, ranks);
+    if (r.bad) atomicAdd(err, r.bad);
     warp_counts(r.mask, ranks, warp_n);
     __syncthreads();
     if (tid < ranks) {
@@ -187,8 +200,10 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
         if (goes) {
             row = warp_n[warp][j] + __popc(b & ep_lanemask_lt());
             if (row < rows) {
-                const long at = slab_off[j] + (long)row * slab_slots[j];
-                const int over = write_row(r.e, r.o, r.w, local, p, slab_slots[j], send_ids + at, send_weights + at);
+                int* ids = reinterpret_cast<int*>(send + slab_ids[j]);
+                float* wts = reinterpret_cast<float*>(send + slab_ids[j] + meta_bytes(rows, slab_slots[j]));
+                const long at = (long)row * slab_slots[j];
+                const int over = write_row(r.e, r.o, r.w, local, p, slab_slots[j], ids + at, wts + at);
                 if (over) atomicAdd(err, over);
             } else {
                 row = -1;
@@ -202,11 +217,13 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
     if (blockIdx.x == gridDim.x - 1) {
         for (int j = 1; j < ranks; ++j) {
             const int used = min(base[j], rows);
-            const long from = slab_off[j] + (long)used * slab_slots[j];
+            int* ids = reinterpret_cast<int*>(send + slab_ids[j]);
+            float* wts = reinterpret_cast<float*>(send + slab_ids[j] + meta_bytes(rows, slab_slots[j]));
+            const long from = (long)used * slab_slots[j];
             const long n = (long)(rows - used) * slab_slots[j];
             for (long i = tid; i < n; i += PLAN_THREADS) {
-                send_ids[from + i] = -1;
-                send_weights[from + i] = 0.f;
+                ids[from + i] = -1;
+                wts[from + i] = 0.f;
             }
         }
     }
@@ -225,7 +242,7 @@ moe_ep_pack(const __grid_constant__ EpPackParams params) {
     for (int j = 1; j < ranks; ++j) {
         const int row = __ldg(pos + (long)t * ranks + j);
         if (row < 0) continue;
-        uint4* dst = send_x + ((long)(j - 1) * rows + row) * ROW_VECS;
+        uint4* dst = reinterpret_cast<uint4*>(send + slab_offset(slots, j, rows, rank, ranks) + row * ROW_BYTES);
         for (int v = threadIdx.x; v < ROW_VECS; v += ROW_THREADS) dst[v] = __ldg(src + v);
     }
 }

@@ -218,7 +218,8 @@ fn bad_input_is_a_typed_error_and_never_a_hang() {
     // reported, and calls out of order are refused.
     let got = bad(|r, dev, c| {
         let mut layer =
-            EpLayer::new(&dev, c, spec, map.clone(), &local(r), EpConfig { max_tokens: 8, capacity: Some(2) }).unwrap();
+            EpLayer::new(&dev, c, spec, map.clone(), &local(r), EpConfig { capacity: Some(2), ..EpConfig::new(8) })
+                .unwrap();
         let out_of_order = layer.combine_send().err();
         let (x, mut ids, rw) = random_step(&spec, 7, 0.0, 9 + r as u64);
         ids[3] = 128;

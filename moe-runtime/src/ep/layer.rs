@@ -25,12 +25,16 @@ pub struct EpConfig {
     /// where a token reaches only some ranks; a step that overflows a slab drops those token
     /// transfers and reports them through [`EpLayer::take_errors`].
     pub capacity: Option<usize>,
+    /// SMs this rank's experts leave free ([`MoeLayer::set_sm_reserve`]) for NCCL's kernels, so
+    /// that transfers overlap the experts: 0 (the default) runs the experts on every SM. Pair it
+    /// with a communicator of as many CTAs ([`super::Comm::with_max_ctas`]).
+    pub sm_reserve: u32,
 }
 
 impl EpConfig {
     /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case.
     pub fn new(max_tokens: usize) -> EpConfig {
-        EpConfig { max_tokens, capacity: None }
+        EpConfig { max_tokens, capacity: None, sm_reserve: 0 }
     }
     fn slab_rows(&self) -> usize {
         self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
@@ -71,12 +75,10 @@ struct Buffers {
     pos: CudaSlice<i32>,
     self_ids: CudaSlice<i32>,
     self_weights: CudaSlice<f32>,
-    send_ids: CudaSlice<i32>,
-    send_weights: CudaSlice<f32>,
-    send_x: CudaSlice<u8>,
-    recv_x: CudaSlice<u8>,
-    recv_ids: CudaSlice<i32>,
-    recv_weights: CudaSlice<f32>,
+    /// The peers' slabs (one NCCL transfer each: rows, ids, weights; `slab_bytes`), and ours
+    /// from them.
+    send: CudaSlice<u8>,
+    recv: CudaSlice<u8>,
     y_self: CudaSlice<u8>,
     y_recv: CudaSlice<u8>,
     y_back: CudaSlice<u8>,
@@ -165,6 +167,7 @@ impl EpLayer {
         let mut local = MoeLayer::load(device, local_spec, weights)?;
         // Padding rows and experts held elsewhere are ids of -1, which the kernels skip.
         local.set_validate_routing(false);
+        local.set_sm_reserve(cfg.sm_reserve);
         let rows = cfg.slab_rows();
         let peers = ranks - 1;
         local.reserve(cfg.max_tokens.max(peers * rows))?;
@@ -180,7 +183,7 @@ impl EpLayer {
         };
 
         let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
-        let peer_slots: usize = (1..ranks).map(|j| slots[(rank + j) % ranks]).sum();
+        let send_bytes: usize = (1..ranks).map(|j| slab_bytes(rows, slots[(rank + j) % ranks], row_bytes)).sum();
         let n = |v: usize| v.max(1);
         let s = &stream;
         let bufs = Buffers {
@@ -191,12 +194,8 @@ impl EpLayer {
             pos: s.alloc_zeros(n(cfg.max_tokens * ranks))?,
             self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
             self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
-            send_ids: s.alloc_zeros(n(rows * peer_slots))?,
-            send_weights: s.alloc_zeros(n(rows * peer_slots))?,
-            send_x: s.alloc_zeros(n(peers * rows * row_bytes))?,
-            recv_x: s.alloc_zeros(n(peers * rows * row_bytes))?,
-            recv_ids: s.alloc_zeros(n(peers * rows * slots[rank]))?,
-            recv_weights: s.alloc_zeros(n(peers * rows * slots[rank]))?,
+            send: s.alloc_zeros(n(send_bytes))?,
+            recv: s.alloc_zeros(n(peers * slab_bytes(rows, slots[rank], row_bytes)))?,
             y_self: s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
             y_recv: s.alloc_zeros(n(peers * rows * row_bytes))?,
             y_back: s.alloc_zeros(n(peers * rows * row_bytes))?,
@@ -293,10 +292,15 @@ impl EpLayer {
             DeviceTensor::new(topk_ids, &s),
             DeviceTensor::new(topk_weights, &s),
         )?;
-        // Own tokens need no transfer: their experts run while the transfers are in flight.
-        self.run_local(xp, self.step.m)?;
+        // Own tokens need no transfer: their experts run while the transfers are in flight. With
+        // SMs left to NCCL, half of them go beside the dispatch and half beside the combine where
+        // each half still fills whole 128-row tiles per expert.
+        let (m, k, e) = (self.step.m, self.spec.top_k() as usize, self.spec.experts() as usize);
+        let split = self.cfg.sm_reserve > 0 && m * k >= 2 * 128 * e;
+        self.run_local(xp, if split { m / 2 } else { m })?;
         self.dispatch_recv()?;
         self.combine_send()?;
+        self.run_local(xp, m)?;
         self.combine_recv(DeviceTensorMut::new(y, &s))
     }
 
@@ -328,7 +332,6 @@ impl EpLayer {
             topk_ids: topk_ids.ptr(),
             owner: ptr(&b.owner, s),
             counts: ptr(&b.counts, s),
-            err: ptr(&b.err, s),
             m: m as i32,
             rank: rank as i32,
             ranks: ranks as i32,
@@ -343,8 +346,7 @@ impl EpLayer {
             pos: ptr(&b.pos, s),
             self_ids: ptr(&b.self_ids, s),
             self_weights: ptr(&b.self_weights, s),
-            send_ids: ptr(&b.send_ids, s),
-            send_weights: ptr(&b.send_weights, s),
+            send: ptr(&b.send, s),
             err: ptr(&b.err, s),
             m: m as i32,
             rows: rows as i32,
@@ -354,19 +356,24 @@ impl EpLayer {
         // SAFETY: every buffer was sized for max_tokens / the slab rows at construction; x, the
         // ids and the weights hold m tokens (checked).
         unsafe {
-            self.kernels.count.launch(s, (blocks, EP_PLAN_THREADS, 0), false, count)?;
+            // One block starts every slab at row 0: no counts to make.
+            if blocks > 1 {
+                self.kernels.count.launch(s, (blocks, EP_PLAN_THREADS, 0), false, count)?;
+            }
             self.kernels.place.launch(s, (blocks, EP_PLAN_THREADS, 0), false, place)?;
         }
         if ranks > 1 {
             let pack = EpPackParams {
                 x: x.ptr(),
                 pos: ptr(&b.pos, s),
-                send_x: ptr(&b.send_x, s),
+                slots: ptr(&b.slots, s),
+                send: ptr(&b.send, s),
                 m: m as i32,
                 rows: rows as i32,
+                rank: rank as i32,
                 ranks: ranks as i32,
             };
-            // SAFETY: as above; send_x holds ranks - 1 slabs of the slab rows.
+            // SAFETY: as above; `send` holds ranks - 1 slabs of the slab rows.
             unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), false, pack)? };
         }
         self.events.packed.record(s)?;
@@ -378,29 +385,19 @@ impl EpLayer {
         Ok(())
     }
 
-    /// To each peer (r + j) its slab j, from each peer (r - j) our region j.
+    /// To each peer (r + j) its slab j, from each peer (r - j) our region j: one transfer each.
     fn dispatch_ops(&self, rows: usize) -> Vec<P2p> {
         let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
         let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
-        let mine = self.slots[rank];
-        let mut ops = Vec::with_capacity(6 * ranks);
-        let mut meta_off = 0usize; // ids / weights of slabs before j
+        let mine = slab_bytes(rows, self.slots[rank], rb);
+        let mut ops = Vec::with_capacity(2 * ranks);
+        let mut off = 0;
         for j in 1..ranks {
             let (to, from) = ((rank + j) % ranks, (rank + ranks - j) % ranks);
-            let theirs = self.slots[to];
-            let x_off = ((j - 1) * rows * rb) as u64;
-            let in_off = ((j - 1) * rows * mine * 4) as u64;
-            ops.push(P2p::Send { ptr: ptr(&b.send_x, s) + x_off, bytes: rows * rb, peer: to });
-            ops.push(P2p::Send { ptr: ptr(&b.send_ids, s) + 4 * meta_off as u64, bytes: rows * theirs * 4, peer: to });
-            ops.push(P2p::Send {
-                ptr: ptr(&b.send_weights, s) + 4 * meta_off as u64,
-                bytes: rows * theirs * 4,
-                peer: to,
-            });
-            ops.push(P2p::Recv { ptr: ptr(&b.recv_x, s) + x_off, bytes: rows * rb, peer: from });
-            ops.push(P2p::Recv { ptr: ptr(&b.recv_ids, s) + in_off, bytes: rows * mine * 4, peer: from });
-            ops.push(P2p::Recv { ptr: ptr(&b.recv_weights, s) + in_off, bytes: rows * mine * 4, peer: from });
-            meta_off += rows * theirs;
+            let theirs = slab_bytes(rows, self.slots[to], rb);
+            ops.push(P2p::Send { ptr: ptr(&b.send, s) + off as u64, bytes: theirs, peer: to });
+            ops.push(P2p::Recv { ptr: ptr(&b.recv, s) + ((j - 1) * mine) as u64, bytes: mine, peer: from });
+            off += theirs;
         }
         ops
     }
@@ -458,27 +455,34 @@ impl EpLayer {
     pub fn dispatch_recv(&mut self) -> Result<(), EpError> {
         self.expect("dispatch_recv", Stage::Sent, "dispatch_send")?;
         self.stream.wait(&self.events.arrived)?;
-        let rows = (self.comm.ranks() - 1) * self.step.rows;
-        if rows > 0 && !self.exchange_only {
-            match self.spec.act_dtype() {
-                ActDtype::Bf16 => self.run_received::<half::bf16>(rows)?,
-                ActDtype::Fp16 => self.run_received::<half::f16>(rows)?,
+        if !self.exchange_only {
+            // One run per peer's slab (each self-contained: rows, ids, weights).
+            for j in 1..self.comm.ranks() {
+                match self.spec.act_dtype() {
+                    ActDtype::Bf16 => self.run_received::<half::bf16>(j)?,
+                    ActDtype::Fp16 => self.run_received::<half::f16>(j)?,
+                }
             }
         }
         self.step.stage = Stage::Received;
         Ok(())
     }
 
-    fn run_received<T: ActElem + 'static>(&self, rows: usize) -> Result<(), EpError> {
-        let (s, b) = (&self.stream, &self.bufs);
-        let (h, n) = (self.spec.hidden() as usize, rows * self.slots[self.comm.rank()]);
-        // SAFETY: the layer's own buffers, sized for (ranks - 1) slabs.
+    /// This rank's experts on the slab that came from rank - j.
+    fn run_received<T: ActElem + 'static>(&self, j: usize) -> Result<(), EpError> {
+        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
+        let (rows, slots) = (self.step.rows, self.slots[self.comm.rank()]);
+        let (h, n) = (self.spec.hidden() as usize, rows * slots);
+        let slab = ptr(&b.recv, s) + ((j - 1) * slab_bytes(rows, slots, rb)) as u64;
+        let ids = slab + (rows * rb) as u64;
+        let weights = ids + meta_bytes(rows, slots) as u64;
+        // SAFETY: the layer's own buffers, sized for (ranks - 1) slabs of the slab rows.
         let (x, ids, w, y) = unsafe {
             (
-                DeviceTensor::<T>::from_raw(ptr(&b.recv_x, s), rows * h),
-                DeviceTensor::<i32>::from_raw(ptr(&b.recv_ids, s), n),
-                DeviceTensor::<f32>::from_raw(ptr(&b.recv_weights, s), n),
-                DeviceTensorMut::<T>::from_raw(ptr(&b.y_recv, s), rows * h),
+                DeviceTensor::<T>::from_raw(slab, rows * h),
+                DeviceTensor::<i32>::from_raw(ids, n),
+                DeviceTensor::<f32>::from_raw(weights, n),
+                DeviceTensorMut::<T>::from_raw(ptr(&b.y_recv, s) + ((j - 1) * rows * rb) as u64, rows * h),
             )
         };
         self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
@@ -565,6 +569,17 @@ impl EpLayer {
         }
         Ok(len / h)
     }
+}
+
+/// Bytes of a slab's ids (and of its weights): `rows * slots` 4-byte values, 16-byte aligned.
+fn meta_bytes(rows: usize, slots: usize) -> usize {
+    (rows * slots * 4).div_ceil(16) * 16
+}
+
+/// Bytes of a peer slab, as `templates/ep.cu` lays it out: `rows` activation rows of
+/// `row_bytes`, their ids, their weights.
+fn slab_bytes(rows: usize, slots: usize, row_bytes: usize) -> usize {
+    rows * row_bytes + 2 * meta_bytes(rows, slots)
 }
 
 /// Blocks of the count and place kernels for `m` tokens.

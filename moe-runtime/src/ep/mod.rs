@@ -30,6 +30,7 @@ pub use layer::{EpConfig, EpLayer};
 pub use map::ExpertMap;
 
 use crate::error::RuntimeError;
+
 use std::time::Duration;
 
 /// Why an expert-parallel layer could not be built or run a step.
