@@ -22,6 +22,7 @@ use std::time::Duration;
 const GEOMETRIES: [(&str, u32, u32, u32, u32); 2] =
     [("qwen3-30b-a3b", 2048, 768, 128, 8), ("deepseek-v3", 7168, 2048, 256, 8)];
 const REPLAYS: usize = 20;
+const WARMUP: usize = 50;
 
 fn list<T: std::str::FromStr>(args: &[String], flag: &str) -> Option<Vec<T>> {
     let i = args.iter().position(|a| a == flag)?;
@@ -58,10 +59,12 @@ fn device_weights(s: &Arc<CudaStream>, spec: &MoeSpec, seed: u64) -> DeviceWeigh
     }
 }
 
-/// Median microseconds of one replay: five batches of `REPLAYS` back-to-back replays after five
-/// warm-ups.
+/// Median microseconds of one replay: five batches of `REPLAYS` back-to-back replays after
+/// `WARMUP` replays.
 fn time(s: &Arc<CudaStream>, g: &CudaGraph) -> f64 {
-    for _ in 0..5 {
+    // Warm-up (clocks ramp up from idle). A fixed count: every rank must replay as many times,
+    // each replay's transfers pairing with the peers'.
+    for _ in 0..WARMUP {
         g.launch().unwrap();
     }
     let mut t: Vec<f64> = (0..5)
@@ -107,24 +110,15 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
 
 /// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
 /// this rank.
-fn rank(
-    r: usize,
-    n: usize,
-    id: &UniqueId,
-    spec: &MoeSpec,
-    tokens: &[usize],
-    layer_tokens: &[usize],
-    knobs: (Option<u32>, u32),
-) -> Vec<[f64; 5]> {
+fn rank(r: usize, n: usize, id: &UniqueId, spec: &MoeSpec, tokens: &[usize], layer_tokens: &[usize]) -> Vec<[f64; 5]> {
     let dev = Device::new(r).unwrap();
-    let comm = Comm::with_max_ctas(&dev, r, n, id, Duration::from_secs(120), knobs.0).unwrap();
+    let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
     let s = dev.stream().clone();
     let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
-    let mut layer =
-        EpLayer::new(&dev, comm, *spec, map, w, EpConfig { sm_reserve: knobs.1, ..EpConfig::new(max) }).unwrap();
+    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, EpConfig::new(max)).unwrap();
     tokens
         .iter()
         .map(|&m| {
@@ -192,10 +186,11 @@ fn main() {
     let tokens: Vec<usize> = list(&args, "--tokens").unwrap_or(vec![1, 8, 128, 1024, 4096]);
     // `--layer-tokens none`: no whole-layer rows (and no one-GPU baseline).
     let layer_tokens: Vec<usize> = list(&args, "--layer-tokens").unwrap_or(vec![4096]);
-    // `--nccl-ctas N --sm-reserve N`: NCCL's CTA cap and the SMs the experts leave it.
-    let nccl_ctas = list(&args, "--nccl-ctas").and_then(|v: Vec<u32>| v.first().copied());
-    let sm_reserve = list(&args, "--sm-reserve").and_then(|v: Vec<u32>| v.first().copied()).unwrap_or(0);
-    let knobs = (nccl_ctas, sm_reserve);
+    // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
+    let mut nccl_env: Vec<String> =
+        std::env::vars().filter(|(k, _)| k.starts_with("NCCL_")).map(|(k, v)| format!("{k}={v}")).collect();
+    nccl_env.sort();
+    let nccl_env = nccl_env.join(" ");
     let device = Device::new(0).unwrap().name();
     let date = timing::today();
     let mut out = report
@@ -220,7 +215,7 @@ fn main() {
                 .map(|r| {
                     sc.spawn({
                         let (id, spec, all, layer_tokens) = (&id, &spec, &all, &layer_tokens);
-                        move || rank(r, n, id, spec, all, layer_tokens, knobs)
+                        move || rank(r, n, id, spec, all, layer_tokens)
                     })
                 })
                 .collect();
@@ -242,7 +237,7 @@ fn main() {
                 let mut row = serde_json::json!({
                     "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
-                    "nccl_max_ctas": nccl_ctas, "sm_reserve": sm_reserve,
+                    "nccl_env": nccl_env,
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n}: {us:9.1} us");

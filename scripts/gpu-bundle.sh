@@ -28,6 +28,8 @@ done
 cp "$(bin gpu_checkpoint test --release -p moe-checkpoint --test gpu_checkpoint --no-run | tail -1)" gpu-bundle/gpu_checkpoint
 cp "$(bin cold_start bench --bench cold_start --no-run | tail -1)" gpu-bundle/cold_start
 cp "$(bin caller_owned build --release --example caller_owned | tail -1)" gpu-bundle/caller_owned
+# Expert parallelism (gpu_ep above, ep_ranks, the ep bench) needs a machine with 2+ GPUs.
+cp "$(bin ep_ranks build --release --example ep_ranks | tail -1)" gpu-bundle/ep_ranks
 [ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill

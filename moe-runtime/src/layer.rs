@@ -286,16 +286,6 @@ impl MoeLayer {
         self.prefill_threshold = tokens.max(1);
     }
 
-    /// Leave `sms` SMs out of the grouped family's grids (its GEMMs are persistent and its
-    /// routing kernel cooperative, so otherwise they hold every SM): kernels on other streams,
-    /// such as the NCCL transfers of an expert-parallel step, then run beside a step instead of
-    /// after it. 0 (the default) uses the whole device.
-    pub fn set_sm_reserve(&mut self, sms: u32) {
-        if let Ok(g) = &self.grouped {
-            g.set_sm_reserve(sms);
-        }
-    }
-
     /// How the grouped path combines expert outputs into token rows. `true` (the default): GEMM2
     /// stores each (token, slot) row in the activation dtype and `moe_combine_rows` sums a
     /// token's rows, times their routing weights, in slot order in f32, bit-reproducible run to run. `false`: GEMM2 adds into

@@ -84,27 +84,13 @@ impl Comm {
     /// Join the communicator of `ranks` ranks named by `id` as `rank`, on `device`. Every rank
     /// calls this with the same id; `timeout` bounds this call and every later wait.
     pub fn new(device: &Device, rank: usize, ranks: usize, id: &UniqueId, timeout: Duration) -> Result<Comm, EpError> {
-        Comm::with_max_ctas(device, rank, ranks, id, timeout, None)
-    }
-
-    /// [`Comm::new`] with NCCL's kernels held to `max_ctas` CTAs (its `maxCTAs`; `None`: NCCL's
-    /// choice). Fewer CTAs move less per microsecond but leave SMs to the layer's kernels; see
-    /// [`super::EpConfig::sm_reserve`].
-    pub fn with_max_ctas(
-        device: &Device,
-        rank: usize,
-        ranks: usize,
-        id: &UniqueId,
-        timeout: Duration,
-        max_ctas: Option<u32>,
-    ) -> Result<Comm, EpError> {
         nccl_present()?;
         if ranks == 0 || rank >= ranks {
             return Err(EpError::Config(format!("rank {rank} of {ranks} ranks")));
         }
         let ctx = device.context().clone();
         ctx.bind_to_thread()?;
-        let mut config = nonblocking_config(max_ctas);
+        let mut config = nonblocking_config();
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
         let uid = sys::ncclUniqueId { internal: id.0.map(|b| b as _) };
         let r = unsafe { sys::ncclCommInitRankConfig(&mut raw, ranks as i32, uid, rank as i32, &mut config) };
@@ -279,9 +265,8 @@ impl Drop for Comm {
     }
 }
 
-/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0` (and `maxCTAs` if given): every other field
-/// unset (NCCL's defaults).
-fn nonblocking_config(max_ctas: Option<u32>) -> sys::ncclConfig_t {
+/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: every other field unset (NCCL's defaults).
+fn nonblocking_config() -> sys::ncclConfig_t {
     const UNDEF_INT: i32 = i32::MIN;
     sys::ncclConfig_t {
         size: std::mem::size_of::<sys::ncclConfig_t>(),
@@ -290,7 +275,7 @@ fn nonblocking_config(max_ctas: Option<u32>) -> sys::ncclConfig_t {
         blocking: 0,
         cgaClusterSize: UNDEF_INT,
         minCTAs: UNDEF_INT,
-        maxCTAs: max_ctas.map_or(UNDEF_INT, |n| n as i32),
+        maxCTAs: UNDEF_INT,
         netName: std::ptr::null(),
         splitShare: UNDEF_INT,
         trafficClass: UNDEF_INT,

@@ -25,16 +25,12 @@ pub struct EpConfig {
     /// where a token reaches only some ranks; a step that overflows a slab drops those token
     /// transfers and reports them through [`EpLayer::take_errors`].
     pub capacity: Option<usize>,
-    /// SMs this rank's experts leave free ([`MoeLayer::set_sm_reserve`]) for NCCL's kernels, so
-    /// that transfers overlap the experts: 0 (the default) runs the experts on every SM. Pair it
-    /// with a communicator of as many CTAs ([`super::Comm::with_max_ctas`]).
-    pub sm_reserve: u32,
 }
 
 impl EpConfig {
     /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case.
     pub fn new(max_tokens: usize) -> EpConfig {
-        EpConfig { max_tokens, capacity: None, sm_reserve: 0 }
+        EpConfig { max_tokens, capacity: None }
     }
     fn slab_rows(&self) -> usize {
         self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
@@ -167,7 +163,6 @@ impl EpLayer {
         let mut local = MoeLayer::load(device, local_spec, weights)?;
         // Padding rows and experts held elsewhere are ids of -1, which the kernels skip.
         local.set_validate_routing(false);
-        local.set_sm_reserve(cfg.sm_reserve);
         let rows = cfg.slab_rows();
         let peers = ranks - 1;
         local.reserve(cfg.max_tokens.max(peers * rows))?;
@@ -292,15 +287,10 @@ impl EpLayer {
             DeviceTensor::new(topk_ids, &s),
             DeviceTensor::new(topk_weights, &s),
         )?;
-        // Own tokens need no transfer: their experts run while the transfers are in flight. With
-        // SMs left to NCCL, half of them go beside the dispatch and half beside the combine where
-        // each half still fills whole 128-row tiles per expert.
-        let (m, k, e) = (self.step.m, self.spec.top_k() as usize, self.spec.experts() as usize);
-        let split = self.cfg.sm_reserve > 0 && m * k >= 2 * 128 * e;
-        self.run_local(xp, if split { m / 2 } else { m })?;
+        // Own tokens need no transfer: their experts are launched while the transfers fly.
+        self.run_local(xp, self.step.m)?;
         self.dispatch_recv()?;
         self.combine_send()?;
-        self.run_local(xp, m)?;
         self.combine_recv(DeviceTensorMut::new(y, &s))
     }
 

@@ -108,9 +108,6 @@ pub(crate) struct GroupedPath {
     gemm1_blocks: u32,
     gemm2_blocks: u32,
     sms: u32,
-    /// SMs the persistent and cooperative grids leave free for concurrent work (NCCL's kernels
-    /// of an expert-parallel step), set by `MoeLayer::set_sm_reserve`.
-    sm_reserve: std::sync::atomic::AtomicU32,
     scratch: Mutex<Option<Scratch>>,
 }
 
@@ -188,20 +185,8 @@ impl GroupedPath {
             gemm1_blocks,
             gemm2_blocks,
             sms: device.sm_count(),
-            sm_reserve: std::sync::atomic::AtomicU32::new(0),
             scratch: Mutex::new(None),
         })
-    }
-
-    /// Leave `sms` SMs (of the device's) out of the grids of every later step.
-    pub fn set_sm_reserve(&self, sms: u32) {
-        self.sm_reserve.store(sms.min(self.sms - 1), std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// `blocks` sized for the whole device, scaled to the SMs not reserved (a multiple of `unit`).
-    fn unreserved(&self, blocks: u32, unit: u32) -> u32 {
-        let keep = self.sms - self.sm_reserve.load(std::sync::atomic::Ordering::Relaxed);
-        ((blocks as u64 * keep as u64 / self.sms as u64) as u32 / unit * unit).max(unit)
     }
 
     /// Size the scratch for steps of up to `tokens` tokens in the given combine mode.
@@ -301,7 +286,7 @@ impl GroupedPath {
         let counters = ptr(&s.work_counters, stream);
         let (xq, xs_token, xs_row) = (ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
         let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
-        let prepare_grid = need.clamp(1, self.unreserved(self.prepare_blocks, 1) as usize) as u32;
+        let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
         let prepare = PrepareParams {
             logits: p.logits,
             bias: p.bias,
@@ -344,9 +329,7 @@ impl GroupedPath {
         // Persistent grids: no more clusters than items (cluster tiles x column blocks).
         let cl = self.tiles.cluster as usize;
         let grid = |nt: usize, most: u32| ((max_tiles.div_ceil(cl) * nt).min(most as usize / cl).max(1) * cl) as u32;
-        let (most1, most2) =
-            (self.unreserved(self.gemm1_blocks, cl as u32), self.unreserved(self.gemm2_blocks, cl as u32));
-        let (grid1, grid2) = (grid(nt1, most1), grid(nt2, most2));
+        let (grid1, grid2) = (grid(nt1, self.gemm1_blocks), grid(nt2, self.gemm2_blocks));
         // The weights' tensor maps (warp-specialised kernels): w13 in boxes of BN1 / 2 rows (gate,
         // then up), w2 in boxes of BN2 rows.
         let (w13_map, w2_map) = if self.tiles.warp_specialized {
