@@ -3,6 +3,8 @@
 
 use moe_codegen::{KernelFamily, MoeSpec};
 
+pub mod wave;
+
 /// The token count from which a layer takes the grouped GEMMs unless told otherwise
 /// (`MoeLayer::set_prefill_threshold`): [`crate::DEFAULT_PREFILL_THRESHOLD`] where the tensor
 /// cores read the weights as stored, [`DECODED_PREFILL_THRESHOLD`] where the grouped loader
