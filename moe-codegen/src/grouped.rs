@@ -263,71 +263,150 @@ struct GroupedGemmCu {
     prepare_smem: u32,
 }
 
+impl GemmTiles {
+    /// Whether the grouped family can run these tiles for `spec` on `arch`: what
+    /// [`render_grouped`] refuses, without rendering (the shared memory the arch allows is
+    /// [`GemmTiles::fits`]).
+    pub fn check(&self, spec: &MoeSpec, arch: Arch) -> Result<(), CodegenError> {
+        self.check_kernel_spec(&spec.kernel_spec(), arch)
+    }
+
+    fn check_kernel_spec(&self, spec: &MoeSpec, arch: Arch) -> Result<(), CodegenError> {
+        let family = KernelFamily::GroupedGemm;
+        let tiles = *self;
+        let unsupported = |what: String| CodegenError::Unsupported { family, arch, what };
+        grouped_support(spec).map_err(unsupported)?;
+        if tiles.mma == Mma::Wgmma && arch != Arch::Sm90a {
+            return Err(unsupported("wgmma (it needs sm_90a)".into()));
+        }
+        if tiles.warp_specialized && (tiles.mma != Mma::Wgmma || tiles.blocks_per_sm != 1) {
+            return Err(unsupported("the warp-specialised pipeline without wgmma or with 2 blocks per SM".into()));
+        }
+        if !matches!(tiles.cluster, 1 | 2) || (tiles.cluster > 1 && !tiles.warp_specialized) {
+            return Err(unsupported(format!(
+                "clusters of {} blocks (1, or 2 with the warp-specialised pipeline)",
+                tiles.cluster
+            )));
+        }
+        if tiles.lag > 0 && (!tiles.warp_specialized || tiles.lag + 2 > tiles.stages) {
+            return Err(unsupported(format!(
+                "a warpgroup lag of {} k-tiles (warp-specialised only, at most stages - 2 = {})",
+                tiles.lag,
+                tiles.stages.saturating_sub(2)
+            )));
+        }
+        let (h, i) = (spec.hidden(), spec.intermediate());
+        let fp8 = is_fp8(spec.weight_format());
+        // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
+        let unscaled = !fp8 || (x_per_token(spec.weight_format()) && tiles.warp_specialized);
+        if !matches!(tiles.tail, 0 | 16) {
+            return Err(unsupported(format!("extended items of {} rows (0 or 16)", tiles.tail)));
+        }
+        let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
+        if tiles.bm != 128
+            || tiles.stages < 2 + inflight
+            || tiles.stages > 16
+            || !matches!(tiles.bn2, 64 | 128 | 256)
+            || !matches!(tiles.bn1, 64 | 128 | 256)
+            || !matches!(tiles.blocks_per_sm, 1 | 2)
+        {
+            return Err(unsupported(format!(
+                "tiles {tiles:?} (bm 128, bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
+                2 + inflight
+            )));
+        }
+        if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
+            return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
+        }
+        // A cluster splits an expert's odd tile by column blocks.
+        if (i / (tiles.bn1 / 2)) % tiles.cluster != 0 || (h / tiles.bn2) % tiles.cluster != 0 {
+            return Err(unsupported(format!(
+                "clusters of {} with {} and {} column blocks (hidden {h}, intermediate {i}, tiles {tiles:?})",
+                tiles.cluster,
+                i / (tiles.bn1 / 2),
+                h / tiles.bn2
+            )));
+        }
+        let f = spec.weight_format();
+        let wq = dequantizes_weights(f);
+        if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
+            return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
+        }
+        if wq {
+            crate::render::resolve_dequant(spec, arch)?;
+        }
+        Ok(())
+    }
+
+    /// Whether both GEMMs' shared memory fits `arch`: each block within its opt-in limit and
+    /// `blocks_per_sm` of them within one SM's.
+    pub fn fits(&self, spec: &MoeSpec, arch: Arch) -> bool {
+        let (block, sm) = smem_limits(arch);
+        let need = self.gemm1_smem_bytes(&spec.kernel_spec()).max(self.gemm2_smem_bytes());
+        need <= block && need * self.blocks_per_sm <= sm
+    }
+
+    /// Every tile configuration the grouped family runs for `spec` on `arch` (each passing
+    /// [`GemmTiles::check`] and [`GemmTiles::fits`], extended items only where they apply): the
+    /// space a profiler times and a cost-model dispatcher chooses from. The default
+    /// ([`GemmTiles::for_spec`]) is one of them.
+    pub fn space(spec: &MoeSpec, arch: Arch) -> Vec<GemmTiles> {
+        let mut out = Vec::new();
+        for mma in [Mma::MmaSync, Mma::Wgmma] {
+            for warp_specialized in [false, true] {
+                for (bn1, bn2) in [64, 128, 256].into_iter().flat_map(|a| [64, 128, 256].map(|b| (a, b))) {
+                    for stages in 2..=8 {
+                        for (blocks_per_sm, cluster, lag, tail) in [1, 2].into_iter().flat_map(|b| {
+                            [1, 2]
+                                .into_iter()
+                                .flat_map(move |c| (0..=2).flat_map(move |l| [0, 16].map(move |t| (b, c, l, t))))
+                        }) {
+                            let t = GemmTiles {
+                                bm: 128,
+                                bn1,
+                                bn2,
+                                stages,
+                                blocks_per_sm,
+                                mma,
+                                warp_specialized,
+                                cluster,
+                                lag,
+                                tail,
+                            };
+                            let redundant_tail = tail > 0 && t.extended_rows(&spec.kernel_spec()) == 0;
+                            if !redundant_tail && t.check(spec, arch).is_ok() && t.fits(spec, arch) {
+                                out.push(t);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Dynamic shared memory one block may opt into, and one SM holds, on `arch` (H100 / B200:
+/// 227 / 228 KiB; RTX PRO 6000, sm_120: 99 / 100 KiB).
+pub const fn smem_limits(arch: Arch) -> (u32, u32) {
+    match arch {
+        Arch::Sm120a => (99 * 1024, 100 * 1024),
+        _ => (227 * 1024, 228 * 1024),
+    }
+}
+
 /// Render the grouped-GEMM family with explicit tiles.
 pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<KernelSource, CodegenError> {
     crate::render::count_render();
     // As render_warp_decode: the GEMMs see the shared experts as experts, the router does not.
     let routed = *spec;
     let spec = &spec.kernel_spec();
+    tiles.check_kernel_spec(spec, arch)?;
     let family = KernelFamily::GroupedGemm;
-    let unsupported = |what: String| CodegenError::Unsupported { family, arch, what };
-    grouped_support(spec).map_err(unsupported)?;
-    if tiles.mma == Mma::Wgmma && arch != Arch::Sm90a {
-        return Err(unsupported("wgmma (it needs sm_90a)".into()));
-    }
-    if tiles.warp_specialized && (tiles.mma != Mma::Wgmma || tiles.blocks_per_sm != 1) {
-        return Err(unsupported("the warp-specialised pipeline without wgmma or with 2 blocks per SM".into()));
-    }
-    if !matches!(tiles.cluster, 1 | 2) || (tiles.cluster > 1 && !tiles.warp_specialized) {
-        return Err(unsupported(format!(
-            "clusters of {} blocks (1, or 2 with the warp-specialised pipeline)",
-            tiles.cluster
-        )));
-    }
-    if tiles.lag > 0 && (!tiles.warp_specialized || tiles.lag + 2 > tiles.stages) {
-        return Err(unsupported(format!(
-            "a warpgroup lag of {} k-tiles (warp-specialised only, at most stages - 2 = {})",
-            tiles.lag,
-            tiles.stages.saturating_sub(2)
-        )));
-    }
     let (h, i) = (spec.hidden(), spec.intermediate());
     let fp8 = is_fp8(spec.weight_format());
-    // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
-    let unscaled = !fp8 || (x_per_token(spec.weight_format()) && tiles.warp_specialized);
-    if !matches!(tiles.tail, 0 | 16) {
-        return Err(unsupported(format!("extended items of {} rows (0 or 16)", tiles.tail)));
-    }
-    let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
-    if tiles.bm != 128
-        || tiles.stages < 2 + inflight
-        || tiles.stages > 16
-        || !matches!(tiles.bn2, 64 | 128 | 256)
-        || !matches!(tiles.bn1, 64 | 128 | 256)
-        || !matches!(tiles.blocks_per_sm, 1 | 2)
-    {
-        return Err(unsupported(format!(
-            "tiles {tiles:?} (bm 128, bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
-            2 + inflight
-        )));
-    }
-    if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
-        return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
-    }
-    // A cluster splits an expert's odd tile by column blocks.
-    if (i / (tiles.bn1 / 2)) % tiles.cluster != 0 || (h / tiles.bn2) % tiles.cluster != 0 {
-        return Err(unsupported(format!(
-            "clusters of {} with {} and {} column blocks (hidden {h}, intermediate {i}, tiles {tiles:?})",
-            tiles.cluster,
-            i / (tiles.bn1 / 2),
-            h / tiles.bn2
-        )));
-    }
     let f = spec.weight_format();
     let wq = dequantizes_weights(f);
-    if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
-        return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
-    }
     let act16 = match spec.act_dtype() {
         crate::ActDtype::Bf16 => "bf16",
         crate::ActDtype::Fp16 => "f16",
@@ -523,9 +602,40 @@ mod tests {
     }
 
     #[test]
+    fn the_tile_space_holds_the_defaults_and_renders() {
+        for (_, h, i, e, k) in crate::REFERENCE_GEOMETRIES {
+            for f in WeightFormat::ALL {
+                let Ok(s) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
+                for arch in Arch::ALL {
+                    let space = GemmTiles::space(&s, arch);
+                    let default = GemmTiles::for_spec(&s, arch);
+                    let renders = render_grouped(&s, arch, default).is_ok();
+                    // The space lists a tail only where it applies (else it is tail 0's kernel).
+                    let ext = default.extended_rows(&s.kernel_spec());
+                    let default = GemmTiles { tail: if ext == 0 { 0 } else { default.tail }, ..default };
+                    assert_eq!(space.contains(&default), renders, "{} {arch}: default {default:?}", s.id());
+                    let mut seen = space.clone();
+                    seen.dedup();
+                    assert_eq!(seen.len(), space.len(), "{} {arch}: a configuration twice", s.id());
+                }
+            }
+        }
+        // Every member renders, and only the members among their neighbours do.
+        let s = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        let space = GemmTiles::space(&s, Arch::Sm90a);
+        assert!(space.len() > 20, "{} configurations", space.len());
+        for t in &space {
+            render_grouped(&s, Arch::Sm90a, *t).unwrap_or_else(|e| panic!("{t:?}: {e}"));
+        }
+        let sm120 = GemmTiles::space(&s, Arch::Sm120a);
+        assert!(sm120.iter().all(|t| t.mma == Mma::MmaSync && t.fits(&s, Arch::Sm120a)));
+        assert!(sm120.len() < space.len());
+    }
+
+    #[test]
     fn default_tiles_fit_each_archs_shared_memory() {
         // Opt-in shared memory per block: H100 / B200 227 KiB, RTX PRO 6000 (sm_120) 99 KiB.
-        for (arch, max) in [(Arch::Sm90a, 232_448), (Arch::Sm100a, 232_448), (Arch::Sm120a, 101_376)] {
+        for (arch, max) in Arch::ALL.map(|a| (a, smem_limits(a).0)) {
             for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
                 let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, f), arch);
                 let s = spec(2048, 768, 128, 8, f);
