@@ -155,3 +155,29 @@ fn expert_parallel_exchange_compiles_for_every_arch() {
         assert_eq!(cubin_entry_points(&cubin).unwrap(), want, "{} {}", src.name, src.arch);
     }
 }
+
+/// A spread of the grouped family's tile space (`GemmTiles::space`, what a profiler would time)
+/// compiles: every 24th configuration of Qwen3-30B-A3B in bf16 and fp8 on sm_90a, and every 8th
+/// of mxfp4 on sm_120a.
+#[test]
+fn a_spread_of_the_tile_space_compiles() {
+    use moe_codegen::{render_grouped, GemmTiles, MoeSpec, WeightFormat};
+    let tk = toolkit().expect("NVRTC: run scripts/setup-cuda.sh");
+    let mut items = Vec::new();
+    for (f, arch, every) in [
+        (WeightFormat::Bf16, Arch::Sm90a, 24),
+        (WeightFormat::Fp8E4m3, Arch::Sm90a, 24),
+        (WeightFormat::Mxfp4, Arch::Sm120a, 8),
+    ] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap();
+        for t in GemmTiles::space(&spec, arch).into_iter().step_by(every) {
+            items.push((render_grouped(&spec, arch, t).unwrap(), CompileOptions::for_arch(tk, arch)));
+        }
+    }
+    assert!(items.len() >= 20, "{} configurations", items.len());
+    let results = DiskCache::open_default().get_or_compile_all(&items, jobs());
+    for ((src, _), r) in items.iter().zip(results) {
+        let (cubin, _) = r.unwrap_or_else(|e| panic!("{}: {e}", src.name));
+        assert!(cubin.starts_with(b"\x7fELF"), "{}", src.name);
+    }
+}
