@@ -7,11 +7,12 @@
 use half::bf16;
 use moe_codegen::MoeSpec;
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use moe_runtime::cudarc::driver::CudaContext;
+use moe_runtime::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use moe_runtime::ep::{Comm, EpConfig, EpError, EpLayer, ExpertMap, UniqueId};
 use moe_runtime::reference::compare;
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::{Device, HostWeights, MoeLayer};
+use std::sync::Arc;
 use std::time::Duration;
 
 const QWEN3: (u32, u32, u32, u32) = (2048, 768, 128, 8);
@@ -56,6 +57,15 @@ fn comm(r: usize, n: usize, id: &UniqueId, secs: u64) -> (Device, Comm) {
 /// A step on one rank: (x, ids, weights) as the host has them.
 type Step = (Vec<f32>, Vec<i32>, Vec<f32>);
 
+/// A step on the device: x (bf16), ids, weights, and y poisoned with NaN.
+type DeviceStep = (CudaSlice<bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<bf16>);
+
+fn upload(s: &Arc<CudaStream>, (x, ids, rw): &Step) -> DeviceStep {
+    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let y = s.clone_htod(&vec![bf16::NAN; x.len()]).unwrap();
+    (s.clone_htod(&xb).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap(), y)
+}
+
 /// y of the single-GPU layer (all experts, device 0) for each step.
 fn single_gpu(spec: &MoeSpec, w: &HostWeights, steps: &[Step]) -> Vec<Vec<f32>> {
     let dev = Device::new(0).unwrap();
@@ -63,10 +73,8 @@ fn single_gpu(spec: &MoeSpec, w: &HostWeights, steps: &[Step]) -> Vec<Vec<f32>> 
     let s = layer.stream().clone();
     steps
         .iter()
-        .map(|(x, ids, rw)| {
-            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-            let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap());
-            let mut y = s.alloc_zeros::<bf16>(x.len()).unwrap();
+        .map(|step| {
+            let (dx, di, dw, mut y) = upload(&s, step);
             layer.forward(&dx, &di, &dw, &mut y).unwrap();
             s.clone_dtoh(&y).unwrap().into_iter().map(f32::from).collect()
         })
@@ -74,11 +82,9 @@ fn single_gpu(spec: &MoeSpec, w: &HostWeights, steps: &[Step]) -> Vec<Vec<f32>> 
 }
 
 /// One EP step on a rank, y poisoned first; returns y's bits.
-fn ep_step(layer: &mut EpLayer, (x, ids, rw): &Step) -> Vec<u16> {
+fn ep_step(layer: &mut EpLayer, step: &Step) -> Vec<u16> {
     let s = layer.stream().clone();
-    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-    let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap());
-    let mut y = s.clone_htod(&vec![bf16::NAN; x.len()]).unwrap();
+    let (dx, di, dw, mut y) = upload(&s, step);
     layer.forward(&dx, &di, &dw, &mut y).unwrap();
     layer.synchronize().unwrap();
     s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect()
@@ -137,16 +143,15 @@ fn ep_step_replays_from_a_cuda_graph() {
         let step = random_step(&spec, 200, 0.5, seed ^ r as u64);
         let eager = ep_step(&mut layer, &step);
         let s = layer.stream().clone();
-        let xb: Vec<bf16> = step.0.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&step.1).unwrap(), s.clone_htod(&step.2).unwrap());
-        let mut y = s.clone_htod(&vec![bf16::NAN; xb.len()]).unwrap();
+        let (dx, di, dw, mut y) = upload(&s, &step);
+        let n = step.0.len();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
         let res = layer.forward(&dx, &di, &dw, &mut y);
         let graph = s.end_capture(CUgraphInstantiate_flags(0));
         res.unwrap();
         let graph = graph.unwrap().expect("a graph");
         for _ in 0..3 {
-            s.memcpy_htod(&vec![bf16::NAN; xb.len()], &mut y).unwrap();
+            s.memcpy_htod(&vec![bf16::NAN; n], &mut y).unwrap();
             graph.launch().unwrap();
             layer.synchronize().unwrap();
             let got: Vec<u16> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect();
@@ -201,11 +206,7 @@ fn bad_input_is_a_typed_error_and_never_a_hang() {
     let got = bad(|r, dev, c| {
         let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local(r), cfg).unwrap();
         let m = if r == 1 { 9 } else { 8 };
-        let (x, ids, rw) = random_step(&spec, m, 0.0, 5 + r as u64);
-        let s = layer.stream().clone();
-        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
-        let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+        let (dx, di, dw, mut y) = upload(layer.stream(), &random_step(&spec, m, 0.0, 5 + r as u64));
         match layer.forward(&dx, &di, &dw, &mut y) {
             Err(e) => Some(e),
             Ok(()) => layer.synchronize().err(),
@@ -221,12 +222,9 @@ fn bad_input_is_a_typed_error_and_never_a_hang() {
             EpLayer::new(&dev, c, spec, map.clone(), &local(r), EpConfig { capacity: Some(2), ..EpConfig::new(8) })
                 .unwrap();
         let out_of_order = layer.combine_send().err();
-        let (x, mut ids, rw) = random_step(&spec, 7, 0.0, 9 + r as u64);
-        ids[3] = 128;
-        let s = layer.stream().clone();
-        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (dx, di, dw) = (s.clone_htod(&xb).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&rw).unwrap());
-        let mut y = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+        let mut step = random_step(&spec, 7, 0.0, 9 + r as u64);
+        step.1[3] = 128;
+        let (dx, di, dw, mut y) = upload(layer.stream(), &step);
         layer.forward(&dx, &di, &dw, &mut y).unwrap();
         (out_of_order, layer.take_errors().err())
     });
