@@ -13,14 +13,17 @@
 //! experts at random; skewed routing sends ~85% of assignments to the top eighth of the experts
 //! (at least top_k of them). `--routings uniform,skewed,balanced` picks the routings; balanced
 //! (not a default) gives every expert the same count, token t taking experts t k .. t k + k - 1
-//! modulo E: no expert's last tile is partly empty where M k / E is a multiple of 128.
+//! modulo E: no expert's last tile is partly empty where M k / E is a multiple of 128. Each row
+//! also counts its bytes (the touched experts' packed weights and scales once, x, y, the logits
+//! and the routing) against the device-to-device copy bandwidth measured in the same run
+//! (`pct_of_copy`).
 
 use moe_runtime::cudarc::cublas::sys::cublasOperation_t;
 use moe_runtime::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use moe_runtime::cudarc::cublaslt::{result as lt, sys as ltsys};
 use moe_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
-use moe_runtime::timing::{self, capture, time_graph};
+use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{Device, MoeLayer};
 use moeforge::codegen::numerics::e4m3_from_f32;
 use moeforge::codegen::{KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
@@ -309,6 +312,8 @@ fn main() {
     if args.iter().any(|a| a == "--dense-only") {
         return;
     }
+    let copy = copy_gbps(dev.stream()).unwrap();
+    println!("device-to-device copy: {copy:.0} GB/s");
     let mut out = report
         .as_ref()
         .map(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap_or_else(|e| panic!("{p}: {e}")));
@@ -375,8 +380,18 @@ fn main() {
                         let tflops = flops / (us * 1e-6) / 1e12;
                         let pct = dense.as_ref().ok().map(|d| 100.0 * tflops / d);
                         let pct_text = pct.map_or("  n/a".into(), |p| format!("{p:>5.1}"));
+                        // Bytes: the touched experts' packed weights and scales once, x and y,
+                        // the logits and the routing.
+                        let mut touched = ids.clone();
+                        touched.sort_unstable();
+                        touched.dedup();
+                        let bytes = touched.len() * spec.expert_bytes()
+                            + 2 * m * h as usize * 2
+                            + logits.len() * 4
+                            + ids.len() * 8;
+                        let pct_copy = 100.0 * bytes as f64 / (us * 1e-6) / 1e9 / copy;
                         println!(
-                            "{geo:<14} {format:<10} {family:<12} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {pct_text}% of dense {dense_name}"
+                            "{geo:<14} {format:<10} {family:<12} {tname:<16} {routing:<8} m={m:<6} {us:>10.1} us {tflops:>7.1} TFLOP/s {pct_text}% of dense {dense_name} {pct_copy:>5.1}% of copy"
                         );
                         if let Some(f) = out.as_mut() {
                             use std::io::Write;
@@ -399,6 +414,9 @@ fn main() {
                                 "dense_fp8_e4m3_tflops": tflops_json(&ceilings.fp8),
                                 "dense_fp8_e4m3_promoted_tflops": tflops_json(&ceilings.fp8_promoted),
                                 "pct_of_dense": pct.map_or(Value::Null, |p| ((p * 100.0).round() / 100.0).into()),
+                                "bytes": bytes,
+                                "copy_gbps": (copy * 10.0).round() / 10.0,
+                                "pct_of_copy": (pct_copy * 100.0).round() / 100.0,
                                 "date": timing::today(),
                             });
                             if let Err(e) = dense {

@@ -71,6 +71,13 @@ pub fn dequantizes_weights(f: WeightFormat) -> bool {
     !matches!(f, WeightFormat::Bf16 | WeightFormat::Fp16) && !is_fp8(f)
 }
 
+/// The code width of weights the grouped family decodes in registers ([`dequantizes_weights`]),
+/// else `None`.
+pub(crate) fn wq_bits(spec: &MoeSpec) -> Option<u32> {
+    let f = spec.kernel_spec().weight_format();
+    dequantizes_weights(f).then(|| f.elem_bits())
+}
+
 /// Whether the grouped family quantizes x to e4m3 with one scale per token (over all of the
 /// hidden size) rather than one per 128 along K: with per-channel weights, so that GEMM1's scales
 /// do not change along K and its tensor cores accumulate the whole of K before one scaling in the
@@ -133,12 +140,26 @@ impl GemmTiles {
 
     /// Dynamic shared memory of GEMM1 (with its extended rows).
     pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
-        self.smem_bytes(self.bn1, self.extended_rows(spec))
+        match wq_bits(spec) {
+            Some(bits) => self.wq_smem_bytes(self.bn1, bits),
+            None => self.smem_bytes(self.bn1, self.extended_rows(spec)),
+        }
     }
 
     /// Dynamic shared memory of GEMM2.
-    pub fn gemm2_smem_bytes(&self) -> u32 {
-        self.smem_bytes(self.bn2, 0)
+    pub fn gemm2_smem_bytes(&self, spec: &MoeSpec) -> u32 {
+        match wq_bits(spec) {
+            Some(bits) => self.wq_smem_bytes(self.bn2, bits),
+            None => self.smem_bytes(self.bn2, 0),
+        }
+    }
+
+    /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
+    /// `bn` weight rows of `bits`-bit codes per tile: per stage, one 64-code subtile of each
+    /// weight row as stored and of each of the `bm` token rows in 16-bit, plus 128 bytes of
+    /// alignment slack.
+    fn wq_smem_bytes(&self, bn: u32, bits: u32) -> u32 {
+        self.stages * (bn * 64 * bits / 8 + self.bm * 128) + 128
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns and `ext` extended rows: the
@@ -227,6 +248,8 @@ struct GroupedGemmCu {
     group_tiles: u32,
     hot_tiles: u32,
     act_type: &'static str,
+    /// bf16 activations (else fp16): the mixed-input GEMMs' MMA type.
+    act_bf16: bool,
     hidden: u32,
     intermediate: u32,
     experts: u32,
@@ -303,7 +326,10 @@ impl GemmTiles {
             return Err(unsupported(format!("extended items of {} rows (0 or 16)", tiles.tail)));
         }
         let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
-        if tiles.bm != 128
+        let wq = dequantizes_weights(spec.weight_format());
+        // The mixed-input GEMMs take 64-row token tiles too (gemm_wq.cuh).
+        let bm_ok = tiles.bm == 128 || (wq && tiles.bm == 64);
+        if !bm_ok
             || tiles.stages < 2 + inflight
             || tiles.stages > 16
             || !matches!(tiles.bn2, 64 | 128 | 256)
@@ -311,7 +337,7 @@ impl GemmTiles {
             || !matches!(tiles.blocks_per_sm, 1 | 2)
         {
             return Err(unsupported(format!(
-                "tiles {tiles:?} (bm 128, bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
+                "tiles {tiles:?} (bm 128, or 64 for weights decoded in registers; bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
                 2 + inflight
             )));
         }
@@ -328,7 +354,6 @@ impl GemmTiles {
             )));
         }
         let f = spec.weight_format();
-        let wq = dequantizes_weights(f);
         if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
             return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
         }
@@ -342,7 +367,8 @@ impl GemmTiles {
     /// `blocks_per_sm` of them within one SM's.
     pub fn fits(&self, spec: &MoeSpec, arch: Arch) -> bool {
         let (block, sm) = smem_limits(arch);
-        let need = self.gemm1_smem_bytes(&spec.kernel_spec()).max(self.gemm2_smem_bytes());
+        let spec = &spec.kernel_spec();
+        let need = self.gemm1_smem_bytes(spec).max(self.gemm2_smem_bytes(spec));
         need <= block && need * self.blocks_per_sm <= sm
     }
 
@@ -352,7 +378,7 @@ impl GemmTiles {
     /// ([`GemmTiles::for_spec`]) is one of them.
     pub fn space(spec: &MoeSpec, arch: Arch) -> Vec<GemmTiles> {
         let mut out = Vec::new();
-        for mma in [Mma::MmaSync, Mma::Wgmma] {
+        for (mma, bm) in [Mma::MmaSync, Mma::Wgmma].into_iter().flat_map(|m| [128, 64].map(|b| (m, b))) {
             for warp_specialized in [false, true] {
                 for (bn1, bn2) in [64, 128, 256].into_iter().flat_map(|a| [64, 128, 256].map(|b| (a, b))) {
                     for stages in 2..=8 {
@@ -362,7 +388,7 @@ impl GemmTiles {
                                 .flat_map(move |c| (0..=2).flat_map(move |l| [0, 16].map(move |t| (b, c, l, t))))
                         }) {
                             let t = GemmTiles {
-                                bm: 128,
+                                bm,
                                 bn1,
                                 bn2,
                                 stages,
@@ -462,6 +488,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         group_tiles: GROUP_TILES,
         hot_tiles: HOT_TILES,
         act_type: spec.act_dtype().cuda_type(),
+        act_bf16: spec.act_dtype() == crate::ActDtype::Bf16,
         hidden: h,
         intermediate: i,
         experts: spec.experts(),
@@ -488,7 +515,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         router,
         params: crate::params::grouped_decls(),
         gemm1_smem: tiles.gemm1_smem_bytes(spec),
-        gemm2_smem: tiles.gemm2_smem_bytes(),
+        gemm2_smem: tiles.gemm2_smem_bytes(spec),
         prepare_smem: prepare_smem_bytes(spec),
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
@@ -639,7 +666,7 @@ mod tests {
             for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
                 let t = GemmTiles::for_spec(&spec(2048, 768, 128, 8, f), arch);
                 let s = spec(2048, 768, 128, 8, f);
-                assert!(t.gemm1_smem_bytes(&s).max(t.gemm2_smem_bytes()) <= max, "{arch} {f}: {t:?}");
+                assert!(t.gemm1_smem_bytes(&s).max(t.gemm2_smem_bytes(&s)) <= max, "{arch} {f}: {t:?}");
             }
         }
     }
@@ -654,7 +681,7 @@ mod tests {
                 let k = render_grouped(&s, arch, t).unwrap().source;
                 for (name, v) in [
                     ("HOST_GEMM1_SMEM", t.gemm1_smem_bytes(&s)),
-                    ("HOST_GEMM2_SMEM", t.gemm2_smem_bytes()),
+                    ("HOST_GEMM2_SMEM", t.gemm2_smem_bytes(&s)),
                     ("HOST_PREPARE_SMEM", prepare_smem_bytes(&s)),
                 ] {
                     assert!(k.contains(&format!("constexpr int {name} = {v};")), "{f} {arch}: {name} = {v}");
@@ -705,7 +732,7 @@ mod tests {
         let two_blocks = GemmTiles { blocks_per_sm: 2, ..ws };
         assert!(render_grouped(&s, Arch::Sm90a, two_blocks).is_err());
         // The barriers and item slots sit past the stages.
-        assert_eq!(ws.gemm2_smem_bytes(), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048);
+        assert_eq!(ws.gemm2_smem_bytes(&s), 4 * (128 + 256) * 128 + 1024 + 176 + 2 * 256 * 4 + 8 * 2048);
         // GEMM1's stages also carry the extended rows, and the tail epilogue its exchange.
         assert_eq!(
             ws.gemm1_smem_bytes(&s),

@@ -211,12 +211,47 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
             tail: gemm_tail(spec),
         };
     }
+    if let Some(bits) = crate::grouped::wq_bits(spec) {
+        return wq_tiles(h, bits, arch);
+    }
     GemmTiles {
         bm: 128,
         bn1: 2 * widest(i, &[64, 32]),
         bn2: widest(h, &[128, 64]),
         stages: if arch == Arch::Sm120a { 3 } else { 4 },
         blocks_per_sm: 1,
+        mma: Mma::MmaSync,
+        warp_specialized: false,
+        cluster: 1,
+        lag: 0,
+        tail: 0,
+    }
+}
+
+/// The mixed-input GEMMs' tiles (weights decoded in registers, `gemm_wq.cuh`): 64 tokens per
+/// tile, 128 weight rows (64 neurons' gate and up rows; 128 hidden outputs, or 64 where the
+/// hidden size does not divide), and as many stages as leave two blocks per SM (one on sm_120a,
+/// whose 99 KiB hold one), at most 8.
+///
+/// Why: these GEMMs stream packed weights, so what bounds them at serving batch sizes is bytes in
+/// flight per SM; the token rows (16-bit) are the larger part of a stage, so 64-token tiles buy
+/// twice the stages of 128-token ones, and two blocks per SM hide each other's item changes.
+fn wq_tiles(h: u32, bits: u32, arch: Arch) -> GemmTiles {
+    let (bm, bn1, bn2) = (64, 128, widest(h, &[128, 64]));
+    let (block, sm) = crate::grouped::smem_limits(arch);
+    let blocks_per_sm = if arch == Arch::Sm120a { 1 } else { 2 };
+    let stage = bn1.max(bn2) * 64 * bits / 8 + bm * 128;
+    // The runtime reserves 1 KiB per resident block.
+    let stages = (1..=8).rev().find(|s| {
+        let need = s * stage + 128;
+        need <= block && (need + 1024) * blocks_per_sm <= sm
+    });
+    GemmTiles {
+        bm,
+        bn1,
+        bn2,
+        stages: stages.unwrap_or(2),
+        blocks_per_sm,
         mma: Mma::MmaSync,
         warp_specialized: false,
         cluster: 1,

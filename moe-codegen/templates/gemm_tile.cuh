@@ -139,12 +139,10 @@ __device__ __forceinline__ void mma_stage(unsigned sa, unsigned sb, float* acc, 
 // The mainloop over KT k-tiles. `a_src[j]` / `b_src[j]`: this thread's row pointers (bytes) for
 // its A / B chunks, null for padding rows (zero-filled). FP8 operands carry a scale per 128 of K:
 // each k-tile is reduced into `part`, then promote(kt, part) folds it into acc in fp32.
-// WQ (weights the loader decodes): b_fill(sb, kt) writes k-tile kt of B, decoded, into the stage
-// at sb with plain stores (made visible by the barrier before its MMAs), instead of cp.async.
-template <int BN, int KT, class Promote, class BFill>
+template <int BN, int KT, class Promote>
 __device__ __forceinline__ void gemm_tile(char* smem, const char* const (&a_src)[TileShape<BN>::A_PER_THREAD],
                                           const char* const (&b_src)[TileShape<BN>::B_PER_THREAD], float* acc,
-                                          float* part, Promote promote, BFill b_fill) {
+                                          float* part, Promote promote) {
     using T = TileShape<BN>;
     const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
     const int c = threadIdx.x % 8, r0 = threadIdx.x / 8;
@@ -155,13 +153,9 @@ __device__ __forceinline__ void gemm_tile(char* smem, const char* const (&a_src)
             const char* p = a_src[j];
             cp_async16(sa + swz(r0 + 32 * j, c), p ? p + kt * BK_BYTES + c * 16 : b_src[0], p != nullptr);
         }
-        if constexpr (WQ) {
-            b_fill(sb, kt);
-        } else {
 #pragma unroll
-            for (int j = 0; j < T::B_PER_THREAD; ++j)
-                cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
-        }
+        for (int j = 0; j < T::B_PER_THREAD; ++j)
+            cp_async16(sb + swz(r0 + 32 * j, c), b_src[j] + kt * BK_BYTES + c * 16, true);
     };
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {

@@ -25,9 +25,6 @@ constexpr int STAGES = {{ stages }};   // shared-memory pipeline depth
 constexpr int MIN_BLOCKS = {{ blocks_per_sm }};  // GEMM blocks resident per SM (launch bounds)
 constexpr int ELEM_BYTES = {{ elem_bytes }};  // GEMM operand bytes: 2 (bf16 / fp16) or 1 (e4m3)
 constexpr bool FP8 = ELEM_BYTES == 1;
-// Weights in a format the tensor cores do not take: the loader decodes them into act_t
-// (dequant.cuh, the decode family's include), scales applied, on the mma.sync pipeline.
-constexpr bool WQ = {{ fmt.is_some() }};
 // Weight scales: 0 none, 1 one f32 per output row, 2 one f32 per 128 x 128 block.
 constexpr int WSCALE = {{ wscale }};
 constexpr int KT1 = HIDDEN * ELEM_BYTES / 128;  // k-tiles of GEMM1 (K = hidden)
@@ -82,33 +79,6 @@ __device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
 {% include "dequant.cuh" %}
 using W13M = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
 using W2M = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
-static_assert(64 % W_VEC == 0, "whole packed vectors per 64-element k-tile");
-// Packed vector kv (W_VEC codes along K) of global row `grow`, decoded with its scales into
-// act_t and stored as chunks v * W_VEC / 8 .. of row `row` of the swizzled B stage at sb.
-template <class M>
-__device__ __forceinline__ void store_wq(unsigned sb, int row, int v, uint4 q, const void* scales, long grow, int kv) {
-    const WScale ws = load_wscale<M>(scales, grow, kv);
-    float w[W_VEC];
-    dequant_vec(q, ws, w);
-    const float rs = row_scale<M>(scales, grow);
-    constexpr int G = W_VEC / W_GROUPS;
-#pragma unroll
-    for (int g = 0; g < W_GROUPS; ++g) {
-        const float s = (W_GROUP_SCALED ? group_scale(ws, g) : 1.0f) * rs;
-#pragma unroll
-        for (int i = g * G; i < (g + 1) * G; ++i) w[i] *= s;
-    }
-#pragma unroll
-    for (int c = 0; c < W_VEC / 8; ++c) {
-        act_t h[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = (act_t)w[8 * c + i];
-        const uint4 u = *reinterpret_cast<const uint4*>(h);
-        asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };" ::"r"(sb + swz(row, v * (W_VEC / 8) + c)), "r"(u.x),
-                     "r"(u.y), "r"(u.z), "r"(u.w)
-                     : "memory");
-    }
-}
 {%- endif %}
 {% if ws == 1 %}{% include "mbarrier.cuh" %}{% include "gemm_ws.cuh" %}{% endif %}
 
@@ -116,7 +86,7 @@ extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 #if MOE_WS
 static_assert(ws_smem_bytes<BN1, TAIL>() == HOST_GEMM1_SMEM && ws_smem_bytes<BN2, 0>() == HOST_GEMM2_SMEM,
               "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
-#else
+#elif !{{ fmt.is_some() }}
 static_assert(TileShape<BN1>::SMEM_BYTES == HOST_GEMM1_SMEM && TileShape<BN2>::SMEM_BYTES == HOST_GEMM2_SMEM,
               "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
 #endif
@@ -701,6 +671,10 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                            b_load, kscale, promote, prepare, epilogue,
                                            NoExt{}, NoExt{});
 }
+{%- if let Some(fmt) = fmt %}
+#else
+{% include "gemm_wq.cuh" %}
+{%- else %}
 #else
 // GEMM1: mid[pos, n] = act(x_t . gate_n) * (x_t . up_n) for the pair in row pos. Columns of a tile
 // interleave by 8: 16 q + (0..7) are gate neurons nb + 8 q + (0..7), 16 q + (8..15) the up ones,
@@ -728,8 +702,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         for (int j = 0; j < T::B_PER_THREAD; ++j) {
             const int col = threadIdx.x / 8 + 32 * j;
             const int n = nb + 8 * (col / 16) + col % 8 + (col % 16 >= 8 ? INTER : 0);
-            // WQ: b_fill reads the packed rows; the base stays a valid address for A's zero-fills.
-            b_src[j] = WQ ? (const char*)w13 : (const char*)w13 + ((long)e * 2 * INTER + n) * HIDDEN * ELEM_BYTES;
+            b_src[j] = (const char*)w13 + ((long)e * 2 * INTER + n) * HIDDEN * ELEM_BYTES;
         }
         float acc[T::ACC];
         float part[FP8 ? T::ACC : 1];
@@ -745,22 +718,6 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         }
         const float* gate_bs = w13_scales + ((long)e * 2 * INTER + nb) / 128 * KT1;
         const float* up_bs = w13_scales + ((long)e * 2 * INTER + INTER + nb) / 128 * KT1;
-        // WQ: this block's threads decode the tile's packed vectors, VPR per row per k-tile.
-        auto b_fill = [&](unsigned sb, int kt) {
-{%- if fmt.is_some() %}
-            constexpr int VPR = 64 / W_VEC;
-            for (int idx = threadIdx.x; idx < BN1 * VPR; idx += GEMM_THREADS) {
-                const int col = idx / VPR, v = idx % VPR;
-                const int n = nb + 8 * (col / 16) + col % 8 + (col % 16 >= 8 ? INTER : 0);
-                const long grow = (long)e * 2 * INTER + n;
-                const int kv = kt * VPR + v;
-                const uint4 q = __ldg(reinterpret_cast<const uint4*>(w13) + grow * (HIDDEN / W_VEC) + kv);
-                store_wq<W13M>(sb, col, v, q, w13_scales, grow, kv);
-            }
-{%- else %}
-            (void)sb, (void)kt;
-{%- endif %}
-        };
         gemm_tile<BN1, KT1>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
             const float bg = WSCALE == 2 ? gate_bs[kt] : 1.f, bu = WSCALE == 2 ? up_bs[kt] : 1.f;
 #pragma unroll
@@ -776,7 +733,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                             acc[j] += pt[j] * sa * ((nf % 2) ? bu : bg);
                         }
                 }
-        }, b_fill);
+        });
         // Padding rows are not stored (GEMM2 never uses what they hold: its outputs there are dropped).
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
@@ -819,27 +776,12 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
             a_src[j] = (const char*)a + (long)(tile * BM + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
 #pragma unroll
         for (int j = 0; j < T::B_PER_THREAD; ++j)
-            b_src[j] = WQ ? (const char*)w2
-                          : (const char*)w2 + ((long)e * HIDDEN + nb + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
+            b_src[j] = (const char*)w2 + ((long)e * HIDDEN + nb + threadIdx.x / 8 + 32 * j) * INTER * ELEM_BYTES;
         float acc[T::ACC];
         float part[FP8 ? T::ACC : 1];
 #pragma unroll
         for (int j = 0; j < T::ACC; ++j) acc[j] = 0.f;
         const float* bs = w2_scales + ((long)e * HIDDEN + nb) / 128 * KT2;
-        auto b_fill = [&](unsigned sb, int kt) {
-{%- if fmt.is_some() %}
-            constexpr int VPR = 64 / W_VEC;
-            for (int idx = threadIdx.x; idx < BN2 * VPR; idx += GEMM_THREADS) {
-                const int col = idx / VPR, v = idx % VPR;
-                const long grow = (long)e * HIDDEN + nb + col;
-                const int kv = kt * VPR + v;
-                const uint4 q = __ldg(reinterpret_cast<const uint4*>(w2) + grow * (INTER / W_VEC) + kv);
-                store_wq<W2M>(sb, col, v, q, w2_scales, grow, kv);
-            }
-{%- else %}
-            (void)sb, (void)kt;
-{%- endif %}
-        };
         gemm_tile<BN2, KT2>(smem, a_src, b_src, acc, part, [&](int kt, const float* pt) {
             const float b = WSCALE == 2 ? bs[kt] : 1.f;
 #pragma unroll
@@ -855,7 +797,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                             acc[j] += pt[j] * sa;
                         }
                 }
-        }, b_fill);
+        });
 #pragma unroll
         for (int mf = 0; mf < T::MF; ++mf)
 #pragma unroll
@@ -870,6 +812,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
             }
     }
 }
+{%- endif %}
 #endif
 
 #if MOE_WS

@@ -168,8 +168,8 @@ impl GroupedPath {
         }
         let gemm1_smem = tiles.gemm1_smem_bytes(spec);
         let gemm1_blocks = blocks(&fns.gemm1, gemm1_smem)?;
-        let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.gemm2_smem_bytes())?;
-        blocks(&fns.gemm2_rows, tiles.gemm2_smem_bytes())?;
+        let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.gemm2_smem_bytes(spec))?;
+        blocks(&fns.gemm2_rows, tiles.gemm2_smem_bytes(spec))?;
         let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
         tracing::info!(module = %src.name, ?tiles, gemm1_blocks, gemm2_blocks, "grouped path loaded");
         Ok(GroupedPath {
@@ -385,7 +385,7 @@ impl GroupedPath {
             work_counter: counters + 4,
             b_map: w2_map,
         };
-        unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(), gemm2_params)? };
+        unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(spec), gemm2_params)? };
         unsafe {
             if deterministic {
                 let combine = CombineRowsParams {

@@ -1,0 +1,446 @@
+// Weights the tensor cores do not take (WQ: int8, int4, mxfp8, nvfp4, mxfp4): a mixed-input
+// grouped GEMM with the operands swapped. The packed weight rows are the MMA's A (its M side: the
+// output features), a tile's token rows its B (N side), so a handful of tokens per expert fills an
+// n8 fragment rather than a 128-row one. Each stage holds one 64-code subtile of K: the weight
+// rows exactly as they are stored (cp.async, with a 128-byte L2 prefetch: consecutive subtiles of
+// a row come from L2), and the token rows in act_t. A thread decodes its own 16 codes of a row
+// straight into A fragment registers (LUT-free, scale applied, in act_t) and never writes them
+// back: each weight code is decoded once per tile of BM tokens.
+//
+// The sum over K does not care in which order the MMA visits it, so the fragment slots a thread
+// fills follow the codes' order in the packed word (pair p of a word: codes p and p + WQ_PAIRS),
+// and the thread builds its B fragments from the same 16 activations (one byte permute per
+// register). That keeps the weights' documented layout: no repacking at load.
+//
+// Warps: WM along the weight rows (MF fragments of 16 each), WN along the tile's tokens (NF
+// fragments of 8). A fragment of tokens past the tile's live rows is skipped, and so is a warp
+// with none.
+constexpr int WQ_BITS = 128 / W_VEC;            // bits per code (W_VEC codes per 16 bytes)
+constexpr int WQ_CPW = 32 / WQ_BITS;            // codes per 32-bit word
+constexpr int WQ_PAIRS = WQ_CPW / 2;            // act_t pairs a word decodes to
+constexpr int WQ_WORDS = 16 / WQ_CPW;           // a thread's words per row and subtile (16 codes)
+constexpr int WQ_ROW_BYTES = 64 * WQ_BITS / 8;  // a weight row's bytes per subtile
+constexpr int WQ_X_BYTES = 64 * 2;              // a token row's bytes per subtile
+constexpr bool WQ_ASYM = {{ fmt.asym }};        // zero points ride with the group scales
+constexpr bool WQ_BF16 = {{ act_bf16 }};        // the MMAs' type is the activations' (bf16 or fp16)
+static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
+static_assert(HIDDEN % 64 == 0 && INTER % 64 == 0, "whole 64-code subtiles");
+
+template <int BN>
+struct WqShape {
+    static constexpr int MF = BN >= 256 ? BN / 128 : 1;  // 16-row fragments per warp
+    static constexpr int WM = BN / (16 * MF);
+    static constexpr int WN = 8 / WM;
+    static constexpr int NF = BM / (8 * WN);  // 8-token fragments per warp
+    static_assert(WM * WN == 8 && BM % (8 * WN) == 0, "eight warps over the tile");
+    static constexpr int W_BYTES = BN * WQ_ROW_BYTES;
+    static constexpr int X_BYTES = BM * WQ_X_BYTES;
+    static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128;  // + alignment slack
+    static constexpr int W_CHUNKS = W_BYTES / 16;
+    static constexpr int W_PER_THREAD = (W_CHUNKS + GEMM_THREADS - 1) / GEMM_THREADS;
+    static constexpr int X_PER_THREAD = BM * 8 / GEMM_THREADS;
+    static_assert(BM * 8 % GEMM_THREADS == 0, "whole token chunks per thread");
+};
+
+static_assert(WqShape<BN1>::SMEM_BYTES == HOST_GEMM1_SMEM && WqShape<BN2>::SMEM_BYTES == HOST_GEMM2_SMEM,
+              "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
+
+__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint2 wq_lds64(unsigned addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 { %0, %1 }, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint4 wq_lds128(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// Packed act_t pairs: a - b, a * b, and (a, b) from two floats.
+__device__ __forceinline__ unsigned act2_sub(unsigned a, unsigned b) {
+    unsigned d;
+    if constexpr (WQ_BF16) {
+        const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+        d = *reinterpret_cast<const unsigned*>(&r);
+    } else {
+        d = h2_as_u32(__hsub2(u32_as_h2(a), u32_as_h2(b)));
+    }
+    return d;
+}
+__device__ __forceinline__ unsigned act2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    if constexpr (WQ_BF16) {
+        const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+        d = *reinterpret_cast<const unsigned*>(&r);
+    } else {
+        d = h2_as_u32(__hmul2(u32_as_h2(a), u32_as_h2(b)));
+    }
+    return d;
+}
+__device__ __forceinline__ unsigned act2_fma(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    if constexpr (WQ_BF16) {
+        const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b),
+                                         *reinterpret_cast<const __nv_bfloat162*>(&c));
+        d = *reinterpret_cast<const unsigned*>(&r);
+    } else {
+        d = h2_as_u32(__hfma2(u32_as_h2(a), u32_as_h2(b), u32_as_h2(c)));
+    }
+    return d;
+}
+__device__ __forceinline__ unsigned act2_pack(float lo, float hi) {
+    if constexpr (WQ_BF16) {
+        const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const unsigned*>(&r);
+    } else {
+        return h2_as_u32(__floats2half2_rn(lo, hi));
+    }
+}
+__device__ __forceinline__ unsigned act2_splat(float v) { return act2_pack(v, v); }
+// An fp16 pair (exact) times s, rounded to act_t: where s may leave fp16's range (e8m0 scales).
+__device__ __forceinline__ unsigned h2_scaled(unsigned h, float s) {
+    const float2 f = h2_to_f2(h);
+    return act2_pack(f.x * s, f.y * s);
+}
+
+// One word of codes -> WQ_PAIRS act_t pairs (pair p: codes p and p + WQ_PAIRS, low half first),
+// times the group scale s (when the format has group scales; row scales wait for the epilogue).
+__device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s, unsigned (&out)[WQ_PAIRS]) {
+    (void)ws;
+    (void)s;
+{%- if fmt.codec == "uint4" %}
+    // Magic number: nibble n under the exponent of 128 (bf16) or 1024 (fp16) reads 128 + n or
+    // 1024 + n exactly; minus the same plus the zero point leaves n - z exactly.
+{%- if fmt.asym %}
+    const unsigned z = (unsigned)zero_point(ws);
+{%- else %}
+    constexpr unsigned z = 8;
+{%- endif %}
+    constexpr unsigned magic = WQ_BF16 ? 0x43004300u : 0x64006400u;
+    const unsigned off = ((WQ_BF16 ? 0x4300u : 0x6400u) + z) * 0x00010001u;
+    // An fp16 group scale is exact in fp16; in bf16 it is split in two (hi + lo, both bf16), so
+    // that (n - z) * s is rounded once, per weight, like the other formats' products, rather
+    // than through a rounded scale shared by the whole group.
+    const unsigned s_hi = act2_splat(s);
+    const unsigned s_lo = WQ_BF16 ? act2_splat(s - __bfloat162float(__float2bfloat16_rn(s))) : 0u;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        unsigned v = act2_sub(and_or<0x000f000fu, magic>(w >> (4 * p)), off);
+        if constexpr (W_GROUP_SCALED) v = WQ_BF16 ? act2_fma(v, s_hi, act2_mul(v, s_lo)) : act2_mul(v, s_hi);
+        out[p] = v;
+    }
+{%- else if fmt.codec == "int8" %}
+    const unsigned u = w ^ 0x80808080u;  // q + 128, unsigned
+    if constexpr (WQ_BF16) {
+        // Byte b under fp32's 2^23 exponent reads 2^23 + b; minus 2^23 + 128 leaves q exactly.
+        float f[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) f[j] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u + j)) - 8388736.0f;
+        const float sc = W_GROUP_SCALED ? s : 1.0f;
+        out[0] = act2_pack(f[0] * sc, f[2] * sc);
+        out[1] = act2_pack(f[1] * sc, f[3] * sc);
+    } else {
+        // fp16: byte b under 1024's exponent reads 1024 + b; minus 1152 leaves q exactly.
+        const unsigned magic = 0x64806480u;
+        out[0] = act2_sub(__byte_perm(u, 0x64646464u, 0x4240u), magic);
+        out[1] = act2_sub(__byte_perm(u, 0x64646464u, 0x4341u), magic);
+        if constexpr (W_GROUP_SCALED) {
+            const unsigned s2 = act2_splat(s);
+            out[0] = act2_mul(out[0], s2);
+            out[1] = act2_mul(out[1], s2);
+        }
+    }
+{%- else if fmt.codec == "e2m1" %}
+    if constexpr (WQ_BF16) {
+        // Nibble p's sign to bit 15 and its exponent and mantissa bits to bits 6-8 of each half: a
+        // bf16 holding the value times 2^-126 (subnormal 0.5 included); times 2^126, exactly,
+        // then times the scale (a power of two, or an e4m3 value: exact in bf16).
+        const unsigned up = 0x7e807e80u;  // 2^126
+        const unsigned s2 = act2_splat(s);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const unsigned y = w << (4 * (3 - p));  // nibble p's sign at bit 15 (31)
+            const unsigned v = (y & 0x80008000u) | ((y >> 6) & 0x01c001c0u);
+            out[p] = act2_mul(act2_mul(v, up), s2);
+        }
+    } else {
+        // fp16: the same bits at 9-11 hold the value times 2^-14; widened and scaled in fp32
+        // (an e8m0 scale may leave fp16's range).
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const unsigned y = w << (4 * (3 - p));
+            const unsigned v = (y & 0x80008000u) | ((y >> 3) & 0x0e000e00u);
+            out[p] = h2_scaled(v, 16384.0f * s);
+        }
+    }
+{%- else if fmt.codec == "e4m3" %}
+    // Pair p: bytes p and p + 2.
+    if constexpr (WQ_BF16) {
+        // Sign to bit 15, exponent and mantissa to bits 4-10: a bf16 holding the value times
+        // 2^-120 (subnormals too); times 2^120 exactly, then the e8m0 scale.
+        const unsigned up = 0x7b807b80u;  // 2^120
+        const unsigned s2 = act2_splat(s);
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const unsigned y = w >> (8 * p);
+            const unsigned v = ((y << 8) & 0x80008000u) | ((y << 4) & 0x07f007f0u);
+            out[p] = act2_mul(act2_mul(v, up), s2);
+        }
+    } else {
+        const unsigned y = __byte_perm(w, 0u, 0x3120u);  // bytes 0, 2, 1, 3
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(y >> (16 * p)), __NV_E4M3);
+            out[p] = h2_scaled((unsigned)h.x | ((unsigned)h.y << 16), s);
+        }
+    }
+{%- endif %}
+}
+
+// The element of a thread's 16 codes that fragment slot pair q (0 .. 7), half hi, holds.
+__device__ __forceinline__ constexpr int wq_elem(int q, int hi) {
+    return (q / WQ_PAIRS) * WQ_CPW + q % WQ_PAIRS + WQ_PAIRS * hi;
+}
+// Activations ea (low half) and eb (high half) of the thread's 16 (8 words).
+__device__ __forceinline__ unsigned x_pair(const unsigned (&x)[8], int ea, int eb) {
+    if (ea / 2 == eb / 2 && ea % 2 == 0 && eb % 2 == 1) return x[ea / 2];
+    return __byte_perm(x[ea / 2], x[eb / 2], (ea % 2 ? 0x32u : 0x10u) | ((eb % 2 ? 0x76u : 0x54u) << 8));
+}
+
+// The mainloop and epilogue call of one GEMM over its work items (grid-stride). wrow(it, R): the
+// global weight row of the item's stage row R; xrow(it, r): token row r (< it.rows) of the tile;
+// epi(it, acc, row0, tok0): acc[mf][nf][i] of this thread, fragment rows row0 + 16 mf, tokens
+// tok0 + 8 nf (the mma C layout).
+template <int BN, int KDIM, class M, class WRow, class XRow, class Epi>
+__device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
+                                        const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
+                                        const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
+    using S = WqShape<BN>;
+    constexpr int KT = KDIM / 64;
+    constexpr long PITCH = (long)KDIM * WQ_BITS / 8;  // bytes per packed row
+    constexpr int CPR = WQ_ROW_BYTES / 16;            // 16-byte chunks per row and subtile
+    constexpr int AHEAD = STAGES - 1;
+    const unsigned base = (smem_u32(smem) + 127u) & ~127u;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c = lane % 4, g = lane / 4;
+    const int wm = warp % S::WM, wn = warp / S::WM;
+    const int row0 = wm * S::MF * 16, tok0 = wn * (BM / S::WN);
+    const int2 counts = tile_counts(num_tiles);
+    const int work = counts.x * nt;
+    for (int wi = blockIdx.x; wi < work; wi += gridDim.x) {
+        const Work it = work_item(wi, nt, tile_span, counts);
+        const unsigned char* wsrc[S::W_PER_THREAD];
+        unsigned wdst[S::W_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < S::W_PER_THREAD; ++j) {
+            const int q = threadIdx.x + GEMM_THREADS * j;
+            const int R = q / CPR, part = q % CPR;
+            wsrc[j] = q < S::W_CHUNKS ? w + wrow(it, R) * PITCH + part * 16 : nullptr;
+            wdst[j] = R * WQ_ROW_BYTES + part * 16;
+        }
+        const act_t* xsrc[S::X_PER_THREAD];
+        unsigned xdst[S::X_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < S::X_PER_THREAD; ++j) {
+            const int r = threadIdx.x / 8 + 32 * j, ch = threadIdx.x % 8;
+            xsrc[j] = r < it.rows ? xrow(it, r) + 8 * ch : nullptr;
+            xdst[j] = r * WQ_X_BYTES + ((ch ^ (r & 7)) << 4);
+        }
+        auto load = [&](int stage, int kt) {
+            const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+#pragma unroll
+            for (int j = 0; j < S::W_PER_THREAD; ++j)
+                if (wsrc[j]) cp_async16_l2(sw + wdst[j], wsrc[j] + kt * WQ_ROW_BYTES);
+#pragma unroll
+            for (int j = 0; j < S::X_PER_THREAD; ++j)
+                if (xsrc[j]) cp_async16(sx + xdst[j], xsrc[j] + kt * 64, true);
+        };
+        // The group scales (and zero points) of the thread's rows, one subtile ahead in registers.
+        long srow[S::MF][2];
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) srow[mf][h] = wrow(it, row0 + 16 * mf + g + 8 * h);
+        auto scales_at = [&](int kt, WScale (&ws)[S::MF][2]) {
+            const int vec = (kt * 64 + 16 * c) / W_VEC;
+#pragma unroll
+            for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) ws[mf][h] = load_wscale<M>(scales, srow[mf][h], vec);
+        };
+        const bool busy = tok0 < it.rows;  // the warp has live tokens
+        float acc[S::MF][S::NF][4];
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+            for (int nf = 0; nf < S::NF; ++nf)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mf][nf][i] = 0.f;
+        auto compute = [&](int stage, const WScale (&ws)[S::MF][2]) {
+            const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+            // A: the thread's 16 codes of each of its rows, decoded; slot pair q of row h.
+            unsigned a[S::MF][2][8];
+#pragma unroll
+            for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned addr = sw + (row0 + 16 * mf + g + 8 * h) * WQ_ROW_BYTES + 4 * WQ_WORDS * c;
+                    unsigned words[WQ_WORDS];
+                    if constexpr (WQ_WORDS == 2) {
+                        const uint2 v = wq_lds64(addr);
+                        words[0] = v.x, words[1] = v.y;
+                    } else {
+                        const uint4 v = wq_lds128(addr);
+                        words[0] = v.x, words[1] = v.y, words[2 % WQ_WORDS] = v.z, words[3 % WQ_WORDS] = v.w;
+                    }
+                    const float s = group_scale(ws[mf][h], (16 * c % W_VEC) / 16);
+#pragma unroll
+                    for (int i = 0; i < WQ_WORDS; ++i) {
+                        unsigned pr[WQ_PAIRS];
+                        wq_decode(words[i], ws[mf][h], s, pr);
+#pragma unroll
+                        for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
+                    }
+                }
+            // B: the same 16 activations of each live token, paired as the slots are.
+#pragma unroll
+            for (int nf = 0; nf < S::NF; ++nf) {
+                if (tok0 + 8 * nf >= it.rows) continue;
+                const int r = tok0 + 8 * nf + g;
+                const uint4 lo = wq_lds128(sx + r * WQ_X_BYTES + (((2 * c) ^ (r & 7)) << 4));
+                const uint4 hi = wq_lds128(sx + r * WQ_X_BYTES + (((2 * c + 1) ^ (r & 7)) << 4));
+                const unsigned x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int st = 0; st < 4; ++st) {
+                    const unsigned b0 = x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
+                    const unsigned b1 = x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
+#pragma unroll
+                    for (int mf = 0; mf < S::MF; ++mf) {
+                        const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1],
+                                                a[mf][1][2 * st + 1]};
+                        mma_16x8(acc[mf][nf], af, b0, b1);
+                    }
+                }
+            }
+        };
+        // The scales (and zero points) ride in registers as far ahead as the stages: a ring
+        // indexed by the stage, which the unrolled loop below keeps static.
+        WScale ring[STAGES][S::MF][2];
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s) {
+            if (s < KT) {
+                load(s, s);
+                scales_at(s, ring[s]);
+            }
+            cp_async_commit();
+        }
+#pragma unroll 1
+        for (int kt0 = 0; kt0 < KT; kt0 += STAGES) {
+#pragma unroll
+            for (int j = 0; j < STAGES; ++j) {
+                const int kt = kt0 + j;
+                if (kt < KT) {
+                    cp_async_wait<AHEAD - 1>();
+                    __syncthreads();
+                    const int next = kt + AHEAD;
+                    if (next < KT) {
+                        load((j + AHEAD) % STAGES, next);
+                        scales_at(next, ring[(j + AHEAD) % STAGES]);
+                    }
+                    cp_async_commit();
+                    if (busy) compute(j, ring[j]);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the next item's prologue overwrites these stages
+        if (busy) epi(it, acc, row0, tok0);
+    }
+}
+
+// GEMM1: w13's rows as A, interleaved by 8 within each 16-row fragment (rows 0-7: gate neurons
+// nb + 8 f .. + 7, rows 8-15: the same neurons' up rows), so a thread holds a neuron's gate and
+// up sums for two tokens and applies the activation in registers.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_gemm1)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS)
+moe_gemm1(const __grid_constant__ Gemm1Params params) {
+    MOE_UNPACK_Gemm1Params(params);
+    (void)a_scales, (void)tile_expert, (void)mid_scales, (void)work_counter, (void)b_map;
+    pdl_wait();  // a programmatic dependent of moe_prepare
+    pdl_launch_dependents();
+    using S = WqShape<BN1>;
+    const int lane = threadIdx.x % 32;
+    auto wrow = [&](const Work& it, int R) -> long {
+        const int neuron = it.nblk * (BN1 / 2) + (R / 16) * 8 + R % 8;
+        return (long)it.e * 2 * INTER + (R % 16 < 8 ? neuron : INTER + neuron);
+    };
+    auto xrow = [&](const Work& it, int r) -> const act_t* {
+        return static_cast<const act_t*>(a) + (long)(sorted_rows[it.tile * BM + r] / TOP_K) * HIDDEN;
+    };
+    auto epi = [&](const Work& it, const float (&acc)[S::MF][S::NF][4], int row0, int tok0) {
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf) {
+            const int neuron = it.nblk * (BN1 / 2) + (row0 / 16 + mf) * 8 + lane / 4;
+            const long gr = (long)it.e * 2 * INTER + neuron;
+            const float sg = row_scale<W13M>(w13_scales, gr), su = row_scale<W13M>(w13_scales, gr + INTER);
+            const float bg = HAS_BIAS ? w13_bias[gr] : 0.f, bu = HAS_BIAS ? w13_bias[gr + INTER] : 0.f;
+#pragma unroll
+            for (int nf = 0; nf < S::NF; ++nf)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int t = tok0 + 8 * nf + 2 * (lane % 4) + j;
+                    if (t >= it.rows) continue;
+                    const float v = moe_glu(acc[mf][nf][j] * sg + bg, acc[mf][nf][2 + j] * su + bu);
+                    mid[(long)(it.tile * BM + t) * INTER + neuron] = (act_t)v;
+                }
+        }
+    };
+    wq_gemm<BN1, HIDDEN, W13M>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
+                               xrow, epi);
+}
+#endif  // entry moe_gemm1
+
+// GEMM2: w2's rows as A, fragment row r holding hidden output nb + 16 f + 2 (r % 8) + r / 8, so a
+// thread holds two adjacent outputs of two tokens.
+template <bool ATOMIC>
+__device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* __restrict__ a_scales,
+                                      const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
+                                      const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
+                                      const void* __restrict__ w2, const float* __restrict__ w2_scales,
+                                      const float* __restrict__ topk_weights, void* __restrict__ out) {
+    (void)a_scales, (void)tile_expert;
+    pdl_wait();  // a programmatic dependent of GEMM1
+    pdl_launch_dependents();
+    using S = WqShape<BN2>;
+    const int lane = threadIdx.x % 32;
+    auto wrow = [&](const Work& it, int R) -> long {
+        return (long)it.e * HIDDEN + it.nblk * BN2 + (R / 16) * 16 + 2 * (R % 8) + (R % 16) / 8;
+    };
+    auto xrow = [&](const Work& it, int r) -> const act_t* {
+        return static_cast<const act_t*>(a) + (long)(it.tile * BM + r) * INTER;
+    };
+    auto epi = [&](const Work& it, const float (&acc)[S::MF][S::NF][4], int row0, int tok0) {
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf) {
+            const int n = it.nblk * BN2 + row0 + 16 * mf + 2 * (lane / 4);
+            const long gr = (long)it.e * HIDDEN + n;
+            const float s0 = row_scale<W2M>(w2_scales, gr), s1 = row_scale<W2M>(w2_scales, gr + 1);
+#pragma unroll
+            for (int nf = 0; nf < S::NF; ++nf)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int t = tok0 + 8 * nf + 2 * (lane % 4) + j;
+                    if (t >= it.rows) continue;
+                    const int pos = it.tile * BM + t;
+                    store_out<ATOMIC>(out, pos, sorted_rows[pos], it.e, n, acc[mf][nf][j] * s0, acc[mf][nf][2 + j] * s1,
+                                      topk_weights, nullptr);
+                }
+        }
+    };
+    wq_gemm<BN2, INTER, W2M>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
+                             epi);
+}
