@@ -78,6 +78,13 @@ pub(crate) fn wq_bits(spec: &MoeSpec) -> Option<u32> {
     dequantizes_weights(f).then(|| f.elem_bits())
 }
 
+/// One pipeline stage of a mixed-input GEMM (`WqShape::STAGE_BYTES` in `gemm_wq.cuh`): four
+/// 16-byte vectors of each of `bn` weight rows of `bits`-bit codes, as stored, and the same
+/// codes' activations (16-bit) of each of `bm` token rows.
+pub(crate) fn wq_stage_bytes(bm: u32, bn: u32, bits: u32) -> u32 {
+    bn * 64 + bm * 4 * (128 / bits) * 2
+}
+
 /// Whether the grouped family quantizes x to e4m3 with one scale per token (over all of the
 /// hidden size) rather than one per 128 along K: with per-channel weights, so that GEMM1's scales
 /// do not change along K and its tensor cores accumulate the whole of K before one scaling in the
@@ -155,11 +162,10 @@ impl GemmTiles {
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
-    /// `bn` weight rows of `bits`-bit codes per tile: per stage, one 64-code subtile of each
-    /// weight row as stored and of each of the `bm` token rows in 16-bit, plus 128 bytes of
-    /// alignment slack.
+    /// `bn` weight rows of `bits`-bit codes per tile: its stages ([`wq_stage_bytes`]) plus 128
+    /// bytes of alignment slack.
     fn wq_smem_bytes(&self, bn: u32, bits: u32) -> u32 {
-        self.stages * (bn * 64 * bits / 8 + self.bm * 128) + 128
+        self.stages * wq_stage_bytes(self.bm, bn, bits) + 128
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns and `ext` extended rows: the
@@ -329,16 +335,17 @@ impl GemmTiles {
         let wq = dequantizes_weights(spec.weight_format());
         // The mixed-input GEMMs take 64-row token tiles too (gemm_wq.cuh).
         let bm_ok = tiles.bm == 128 || (wq && tiles.bm == 64);
+        let least = if wq { 2 } else { 2 + inflight };
+        let most = 16;
         if !bm_ok
-            || tiles.stages < 2 + inflight
-            || tiles.stages > 16
+            || tiles.stages < least
+            || tiles.stages > most
             || !matches!(tiles.bn2, 64 | 128 | 256)
             || !matches!(tiles.bn1, 64 | 128 | 256)
             || !matches!(tiles.blocks_per_sm, 1 | 2)
         {
             return Err(unsupported(format!(
-                "tiles {tiles:?} (bm 128, or 64 for weights decoded in registers; bn 64/128/256, stages >= {}, 1 or 2 blocks per SM)",
-                2 + inflight
+                "tiles {tiles:?} (bm 128, or 64 for weights decoded in registers; bn 64/128/256, stages {least} to {most}, 1 or 2 blocks per SM)"
             )));
         }
         if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {

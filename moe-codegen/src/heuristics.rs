@@ -233,16 +233,16 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
 /// hidden size does not divide), and as many stages as leave two blocks per SM (one on sm_120a,
 /// whose 99 KiB hold one), at most 8.
 ///
-/// Why: these GEMMs stream packed weights, so what bounds them at serving batch sizes is bytes in
-/// flight per SM; the token rows (16-bit) are the larger part of a stage, so 64-token tiles buy
-/// twice the stages of 128-token ones, and two blocks per SM hide each other's item changes.
+/// Why: at serving batch sizes these GEMMs stream packed weights and are bound by the issue of
+/// their decode and bookkeeping; 64-token tiles leave room for two blocks per SM (16 warps to
+/// hide each other's latencies) with stages of 64 bytes per weight row.
 fn wq_tiles(h: u32, bits: u32, arch: Arch) -> GemmTiles {
     let (bm, bn1, bn2) = (64, 128, widest(h, &[128, 64]));
     let (block, sm) = crate::grouped::smem_limits(arch);
     let blocks_per_sm = if arch == Arch::Sm120a { 1 } else { 2 };
-    let stage = bn1.max(bn2) * 64 * bits / 8 + bm * 128;
+    let stage = crate::grouped::wq_stage_bytes(bm, bn1.max(bn2), bits);
     // The runtime reserves 1 KiB per resident block.
-    let stages = (1..=8).rev().find(|s| {
+    let stages = (2..=8).rev().find(|s| {
         let need = s * stage + 128;
         need <= block && (need + 1024) * blocks_per_sm <= sm
     });

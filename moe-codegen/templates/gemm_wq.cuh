@@ -1,30 +1,34 @@
 // Weights the tensor cores do not take (WQ: int8, int4, mxfp8, nvfp4, mxfp4): a mixed-input
 // grouped GEMM with the operands swapped. The packed weight rows are the MMA's A (its M side: the
 // output features), a tile's token rows its B (N side), so a handful of tokens per expert fills an
-// n8 fragment rather than a 128-row one. Each stage holds one 64-code subtile of K: the weight
-// rows exactly as they are stored (cp.async, with a 128-byte L2 prefetch: consecutive subtiles of
-// a row come from L2), and the token rows in act_t. A thread decodes its own 16 codes of a row
-// straight into A fragment registers (LUT-free, scale applied, in act_t) and never writes them
-// back: each weight code is decoded once per tile of BM tokens.
+// n8 fragment rather than a 128-row one. Each stage holds one subtile of K, four 16-byte vectors
+// (64 bytes) of every weight row exactly as stored (cp.async, with a 128-byte L2 prefetch), and
+// the same codes' activations of every token row. A thread decodes its own vector of a row
+// (W_VEC codes) straight into A fragment registers (LUT-free, group scale applied, in act_t) and
+// never writes them back: each weight code is decoded once per tile of BM tokens.
 //
 // The sum over K does not care in which order the MMA visits it, so the fragment slots a thread
 // fills follow the codes' order in the packed word (pair p of a word: codes p and p + WQ_PAIRS),
-// and the thread builds its B fragments from the same 16 activations (one byte permute per
+// and the thread builds its B fragments from the same W_VEC activations (one byte permute per
 // register). That keeps the weights' documented layout: no repacking at load.
 //
 // Warps: WM along the weight rows (MF fragments of 16 each), WN along the tile's tokens (NF
 // fragments of 8). A fragment of tokens past the tile's live rows is skipped, and so is a warp
 // with none.
-constexpr int WQ_BITS = 128 / W_VEC;            // bits per code (W_VEC codes per 16 bytes)
-constexpr int WQ_CPW = 32 / WQ_BITS;            // codes per 32-bit word
-constexpr int WQ_PAIRS = WQ_CPW / 2;            // act_t pairs a word decodes to
-constexpr int WQ_WORDS = 16 / WQ_CPW;           // a thread's words per row and subtile (16 codes)
-constexpr int WQ_ROW_BYTES = 64 * WQ_BITS / 8;  // a weight row's bytes per subtile
-constexpr int WQ_X_BYTES = 64 * 2;              // a token row's bytes per subtile
-constexpr bool WQ_ASYM = {{ fmt.asym }};        // zero points ride with the group scales
-constexpr bool WQ_BF16 = {{ act_bf16 }};        // the MMAs' type is the activations' (bf16 or fp16)
+constexpr int WQ_BITS = 128 / W_VEC;         // bits per code (W_VEC codes per 16 bytes)
+constexpr int WQ_CPW = 32 / WQ_BITS;         // codes per 32-bit word
+constexpr int WQ_PAIRS = WQ_CPW / 2;         // act_t pairs a word decodes to
+constexpr int WQ_SUB = 4 * W_VEC;            // codes per subtile (stage): 128 or 64
+constexpr int WQ_X_ROW = WQ_SUB * 2;         // a token row's bytes per stage
+constexpr bool WQ_ASYM = {{ fmt.asym }};     // zero points ride with the group scales
+constexpr bool WQ_BF16 = {{ act_bf16 }};     // the MMAs' type is the activations' (bf16 or fp16)
+// bf16 e2m1 weights are decoded times 1 / WQ_UNIT and the epilogue multiplies it back: NVFP4's
+// e4m3 group scales (up to 448) times the decode's 2^126 stay inside bf16 that way.
+constexpr float WQ_UNIT = WQ_BF16 && {{ fmt.scales == "nvfp4" }} ? 65536.0f : 1.0f;
 static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
-static_assert(HIDDEN % 64 == 0 && INTER % 64 == 0, "whole 64-code subtiles");
+// A reduction of K codes takes ceil(K / WQ_SUB) stages; 4-bit K may end in half a subtile
+// (gpt-oss's 2880 = 22.5 x 128), whose missing half is zero-filled.
+static_assert(HIDDEN % 64 == 0 && INTER % 64 == 0, "whole half subtiles");
 
 template <int BN>
 struct WqShape {
@@ -33,17 +37,24 @@ struct WqShape {
     static constexpr int WN = 8 / WM;
     static constexpr int NF = BM / (8 * WN);  // 8-token fragments per warp
     static_assert(WM * WN == 8 && BM % (8 * WN) == 0, "eight warps over the tile");
-    static constexpr int W_BYTES = BN * WQ_ROW_BYTES;
-    static constexpr int X_BYTES = BM * WQ_X_BYTES;
+    static constexpr int W_BYTES = BN * 64;  // one stage of weights
+    static constexpr int X_BYTES = BM * WQ_X_ROW;
     static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128;  // + alignment slack
-    static constexpr int W_CHUNKS = W_BYTES / 16;
-    static constexpr int W_PER_THREAD = (W_CHUNKS + GEMM_THREADS - 1) / GEMM_THREADS;
-    static constexpr int X_PER_THREAD = BM * 8 / GEMM_THREADS;
-    static_assert(BM * 8 % GEMM_THREADS == 0, "whole token chunks per thread");
+    static constexpr int W_PER_THREAD = (BN * 4 + GEMM_THREADS - 1) / GEMM_THREADS;
+    static constexpr int X_PER_THREAD = BM * (WQ_X_ROW / 16) / GEMM_THREADS;
+    static_assert(BM * (WQ_X_ROW / 16) % GEMM_THREADS == 0, "whole token chunks per thread");
 };
+// Where 16-byte chunk j of token row n lies in its stage row: swizzled so that the threads of one
+// shared-memory phase (two rows, each thread its W_VEC activations) hit different banks.
+__device__ __forceinline__ int wq_x_chunk(int n, int j) {
+    if constexpr (WQ_X_ROW == 128) return j ^ (n & 7);
+    else return j ^ ((j >> 3) & 1) ^ ((n & 1) << 1);
+}
 
-static_assert(WqShape<BN1>::SMEM_BYTES == HOST_GEMM1_SMEM && WqShape<BN2>::SMEM_BYTES == HOST_GEMM2_SMEM,
+using WqShape1 = WqShape<BN1>;
+using WqShape2 = WqShape<BN2>;
+static_assert(WqShape1::SMEM_BYTES == HOST_GEMM1_SMEM && WqShape2::SMEM_BYTES == HOST_GEMM2_SMEM,
               "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
 
 __device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src) {
@@ -157,15 +168,23 @@ __device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s,
 {%- else if fmt.codec == "e2m1" %}
     if constexpr (WQ_BF16) {
         // Nibble p's sign to bit 15 and its exponent and mantissa bits to bits 6-8 of each half: a
-        // bf16 holding the value times 2^-126 (subnormal 0.5 included); times 2^126, exactly,
-        // then times the scale (a power of two, or an e4m3 value: exact in bf16).
-        const unsigned up = 0x7e807e80u;  // 2^126
-        const unsigned s2 = act2_splat(s);
+        // bf16 holding the value times 2^-126 (subnormal 0.5 included). One multiply places both
+        // at once (nibble n at bits 0-3 times 2^12 + 2^6, or at bits 4-7 times 2^8 + 2^2: the two
+        // copies do not overlap, so nothing carries) and one AND keeps them. Then one multiply by
+        // s 2^126 / WQ_UNIT (exact: a power of two, or an e4m3 value times one); an MX scale of 4
+        // or more would overflow that, and takes two multiplies instead.
+        const float comb = s * (__int_as_float(0x7e800000) / WQ_UNIT);  // 2^126 / WQ_UNIT
+        const bool big = !(comb < 1.6e38f);                 // past 2^127: not a bf16 power of two
+        const unsigned s2 = act2_splat(big ? 1.0f : comb);
+        const unsigned lo = w, hi = w >> 8;
+        const unsigned v[4] = {((lo & 0x000f000fu) * 0x1040u) & 0x81c081c0u, ((lo & 0x00f000f0u) * 0x104u) & 0x81c081c0u,
+                               ((hi & 0x000f000fu) * 0x1040u) & 0x81c081c0u, ((hi & 0x00f000f0u) * 0x104u) & 0x81c081c0u};
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const unsigned y = w << (4 * (3 - p));  // nibble p's sign at bit 15 (31)
-            const unsigned v = (y & 0x80008000u) | ((y >> 6) & 0x01c001c0u);
-            out[p] = act2_mul(act2_mul(v, up), s2);
+        for (int p = 0; p < 4; ++p) out[p] = act2_mul(v[p], s2);
+        if (big) {
+            const unsigned up = 0x7e807e80u, sx = act2_splat(s);  // 2^126, then s
+#pragma unroll
+            for (int p = 0; p < 4; ++p) out[p] = act2_mul(act2_mul(v[p], up), sx);
         }
     } else {
         // fp16: the same bits at 9-11 hold the value times 2^-14; widened and scaled in fp32
@@ -201,12 +220,12 @@ __device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s,
 {%- endif %}
 }
 
-// The element of a thread's 16 codes that fragment slot pair q (0 .. 7), half hi, holds.
+// The element of a thread's W_VEC codes that fragment slot pair q, half hi, holds.
 __device__ __forceinline__ constexpr int wq_elem(int q, int hi) {
     return (q / WQ_PAIRS) * WQ_CPW + q % WQ_PAIRS + WQ_PAIRS * hi;
 }
-// Activations ea (low half) and eb (high half) of the thread's 16 (8 words).
-__device__ __forceinline__ unsigned x_pair(const unsigned (&x)[8], int ea, int eb) {
+// Activations ea (low half) and eb (high half) of the thread's W_VEC (W_VEC / 2 words).
+__device__ __forceinline__ unsigned x_pair(const unsigned (&x)[W_VEC / 2], int ea, int eb) {
     if (ea / 2 == eb / 2 && ea % 2 == 0 && eb % 2 == 1) return x[ea / 2];
     return __byte_perm(x[ea / 2], x[eb / 2], (ea % 2 ? 0x32u : 0x10u) | ((eb % 2 ? 0x76u : 0x54u) << 8));
 }
@@ -220,10 +239,11 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                                         const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
                                         const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
     using S = WqShape<BN>;
-    constexpr int KT = KDIM / 64;
+    constexpr int KT = (KDIM + WQ_SUB - 1) / WQ_SUB;  // stages per item
+    constexpr int TAIL = KDIM % WQ_SUB;               // codes of a half last stage, or 0
     constexpr long PITCH = (long)KDIM * WQ_BITS / 8;  // bytes per packed row
-    constexpr int CPR = WQ_ROW_BYTES / 16;            // 16-byte chunks per row and subtile
     constexpr int AHEAD = STAGES - 1;
+    constexpr int NWORDS = 4 * WQ_PAIRS;  // pairs a thread's vector decodes to
     const unsigned base = (smem_u32(smem) + 127u) & ~127u;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int c = lane % 4, g = lane / 4;
@@ -233,46 +253,64 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     const int work = counts.x * nt;
     for (int wi = blockIdx.x; wi < work; wi += gridDim.x) {
         const Work it = work_item(wi, nt, tile_span, counts);
+        // This thread's copies: chunk j of weight row R (4 per row), token chunks of live rows.
         const unsigned char* wsrc[S::W_PER_THREAD];
-        unsigned wdst[S::W_PER_THREAD];
 #pragma unroll
         for (int j = 0; j < S::W_PER_THREAD; ++j) {
             const int q = threadIdx.x + GEMM_THREADS * j;
-            const int R = q / CPR, part = q % CPR;
-            wsrc[j] = q < S::W_CHUNKS ? w + wrow(it, R) * PITCH + part * 16 : nullptr;
-            wdst[j] = R * WQ_ROW_BYTES + part * 16;
+            wsrc[j] = q < BN * 4 ? w + wrow(it, q / 4) * PITCH + (q % 4) * 16 : nullptr;
         }
         const act_t* xsrc[S::X_PER_THREAD];
-        unsigned xdst[S::X_PER_THREAD];
 #pragma unroll
         for (int j = 0; j < S::X_PER_THREAD; ++j) {
-            const int r = threadIdx.x / 8 + 32 * j, ch = threadIdx.x % 8;
-            xsrc[j] = r < it.rows ? xrow(it, r) + 8 * ch : nullptr;
-            xdst[j] = r * WQ_X_BYTES + ((ch ^ (r & 7)) << 4);
+            const int q = threadIdx.x + GEMM_THREADS * j;
+            const int r = q / (WQ_X_ROW / 16);
+            xsrc[j] = r < it.rows ? xrow(it, r) + 8 * (q % (WQ_X_ROW / 16)) : nullptr;
         }
+        // The scale line of the thread's first weight row, brought into L2 as far ahead as the
+        // weights (the registers below take the scales one stage ahead).
+        const long prow = threadIdx.x < BN ? wrow(it, threadIdx.x) : -1;
         auto load = [&](int stage, int kt) {
             const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
 #pragma unroll
-            for (int j = 0; j < S::W_PER_THREAD; ++j)
-                if (wsrc[j]) cp_async16_l2(sw + wdst[j], wsrc[j] + kt * WQ_ROW_BYTES);
+            for (int j = 0; j < S::W_PER_THREAD; ++j) {
+                const int q = threadIdx.x + GEMM_THREADS * j;
+                // A half last stage zero-fills its missing vectors (from a valid address).
+                const bool in = TAIL == 0 || kt < KT - 1 || (q % 4) * W_VEC < TAIL;
+                if (wsrc[j]) cp_async16(sw + q * 16, in ? wsrc[j] + kt * 64 : wsrc[j], in);
+            }
 #pragma unroll
-            for (int j = 0; j < S::X_PER_THREAD; ++j)
-                if (xsrc[j]) cp_async16(sx + xdst[j], xsrc[j] + kt * 64, true);
+            for (int j = 0; j < S::X_PER_THREAD; ++j) {
+                const int q = threadIdx.x + GEMM_THREADS * j;
+                const int r = q / (WQ_X_ROW / 16), ch = q % (WQ_X_ROW / 16);
+                const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
+                if (xsrc[j])
+                    cp_async16(sx + r * WQ_X_ROW + (wq_x_chunk(r, ch) << 4), in ? xsrc[j] + kt * WQ_SUB : xsrc[j], in);
+            }
+            if (W_GROUP_SCALED && prow >= 0)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(wscale_ptr<M>(scales, prow, min(kt * 4, KDIM / W_VEC - 1))));
         };
-        // The group scales (and zero points) of the thread's rows, one subtile ahead in registers.
+        // The group scales (and zero points) of the thread's rows, one stage ahead in registers;
+        // a half last stage's missing vectors take the row's last scale (their codes meet zeros).
         long srow[S::MF][2];
 #pragma unroll
         for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
             for (int h = 0; h < 2; ++h) srow[mf][h] = wrow(it, row0 + 16 * mf + g + 8 * h);
-        auto scales_at = [&](int kt, WScale (&ws)[S::MF][2]) {
-            const int vec = (kt * 64 + 16 * c) / W_VEC;
+        struct Scales {
+            WScale s[S::MF][2];
+        };
+        auto scales_at = [&](int kt) {
+            Scales r;
+            const int vec = min(kt * 4 + c, KDIM / W_VEC - 1);
 #pragma unroll
             for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) ws[mf][h] = load_wscale<M>(scales, srow[mf][h], vec);
+                for (int h = 0; h < 2; ++h) r.s[mf][h] = load_wscale<M>(scales, srow[mf][h], vec);
+            return r;
         };
-        const bool busy = tok0 < it.rows;  // the warp has live tokens
+        const bool busy = tok0 < it.rows;                       // the warp has live tokens
+        const int live = min(S::NF, (it.rows - tok0 + 7) / 8);  // its live token fragments
         float acc[S::MF][S::NF][4];
 #pragma unroll
         for (int mf = 0; mf < S::MF; ++mf)
@@ -280,42 +318,37 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             for (int nf = 0; nf < S::NF; ++nf)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mf][nf][i] = 0.f;
-        auto compute = [&](int stage, const WScale (&ws)[S::MF][2]) {
+        auto compute = [&](int stage, const Scales& ws) {
             const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
-            // A: the thread's 16 codes of each of its rows, decoded; slot pair q of row h.
-            unsigned a[S::MF][2][8];
+            // A: the thread's vector of each of its rows, decoded; slot pair q of row h.
+            unsigned a[S::MF][2][NWORDS];
 #pragma unroll
             for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const unsigned addr = sw + (row0 + 16 * mf + g + 8 * h) * WQ_ROW_BYTES + 4 * WQ_WORDS * c;
-                    unsigned words[WQ_WORDS];
-                    if constexpr (WQ_WORDS == 2) {
-                        const uint2 v = wq_lds64(addr);
-                        words[0] = v.x, words[1] = v.y;
-                    } else {
-                        const uint4 v = wq_lds128(addr);
-                        words[0] = v.x, words[1] = v.y, words[2 % WQ_WORDS] = v.z, words[3 % WQ_WORDS] = v.w;
-                    }
-                    const float s = group_scale(ws[mf][h], (16 * c % W_VEC) / 16);
+                    const uint4 v = wq_lds128(sw + (row0 + 16 * mf + g + 8 * h) * 64 + 16 * c);
+                    const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                    for (int i = 0; i < WQ_WORDS; ++i) {
+                    for (int i = 0; i < 4; ++i) {
                         unsigned pr[WQ_PAIRS];
-                        wq_decode(words[i], ws[mf][h], s, pr);
+                        wq_decode(words[i], ws.s[mf][h], group_scale(ws.s[mf][h], i * W_GROUPS / 4), pr);
 #pragma unroll
                         for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
                     }
                 }
-            // B: the same 16 activations of each live token, paired as the slots are.
+            // B: the same W_VEC activations of each live token, paired as the slots are.
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf) {
-                if (tok0 + 8 * nf >= it.rows) continue;
+                if (nf >= live) break;
                 const int r = tok0 + 8 * nf + g;
-                const uint4 lo = wq_lds128(sx + r * WQ_X_BYTES + (((2 * c) ^ (r & 7)) << 4));
-                const uint4 hi = wq_lds128(sx + r * WQ_X_BYTES + (((2 * c + 1) ^ (r & 7)) << 4));
-                const unsigned x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                unsigned x[W_VEC / 2];
 #pragma unroll
-                for (int st = 0; st < 4; ++st) {
+                for (int i = 0; i < W_VEC / 8; ++i) {
+                    const uint4 v = wq_lds128(sx + r * WQ_X_ROW + (wq_x_chunk(r, (W_VEC / 8) * c + i) << 4));
+                    x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
+                }
+#pragma unroll
+                for (int st = 0; st < NWORDS / 2; ++st) {
                     const unsigned b0 = x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
                     const unsigned b1 = x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
 #pragma unroll
@@ -327,34 +360,25 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 }
             }
         };
-        // The scales (and zero points) ride in registers as far ahead as the stages: a ring
-        // indexed by the stage, which the unrolled loop below keeps static.
-        WScale ring[STAGES][S::MF][2];
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) {
-            if (s < KT) {
-                load(s, s);
-                scales_at(s, ring[s]);
-            }
+            if (s < KT) load(s, s);
             cp_async_commit();
         }
+        Scales cur = scales_at(0), nxt = scales_at(min(1, KT - 1));
+        int stage = 0, fill = AHEAD;  // the stage computed and the one refilled
 #pragma unroll 1
-        for (int kt0 = 0; kt0 < KT; kt0 += STAGES) {
-#pragma unroll
-            for (int j = 0; j < STAGES; ++j) {
-                const int kt = kt0 + j;
-                if (kt < KT) {
-                    cp_async_wait<AHEAD - 1>();
-                    __syncthreads();
-                    const int next = kt + AHEAD;
-                    if (next < KT) {
-                        load((j + AHEAD) % STAGES, next);
-                        scales_at(next, ring[(j + AHEAD) % STAGES]);
-                    }
-                    cp_async_commit();
-                    if (busy) compute(j, ring[j]);
-                }
-            }
+        for (int kt = 0; kt < KT; ++kt) {
+            cp_async_wait<AHEAD - 1>();
+            __syncthreads();  // stage kt landed; the one computed at kt - 1 is free
+            if (kt + AHEAD < KT) load(fill, kt + AHEAD);
+            cp_async_commit();
+            const Scales later = scales_at(min(kt + 2, KT - 1));
+            if (busy) compute(stage, cur);
+            cur = nxt;
+            nxt = later;
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
+            fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
         cp_async_wait<0>();
         __syncthreads();  // the next item's prologue overwrites these stages
@@ -372,7 +396,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
     (void)a_scales, (void)tile_expert, (void)mid_scales, (void)work_counter, (void)b_map;
     pdl_wait();  // a programmatic dependent of moe_prepare
     pdl_launch_dependents();
-    using S = WqShape<BN1>;
+    using S = WqShape1;
     const int lane = threadIdx.x % 32;
     auto wrow = [&](const Work& it, int R) -> long {
         const int neuron = it.nblk * (BN1 / 2) + (R / 16) * 8 + R % 8;
@@ -386,7 +410,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         for (int mf = 0; mf < S::MF; ++mf) {
             const int neuron = it.nblk * (BN1 / 2) + (row0 / 16 + mf) * 8 + lane / 4;
             const long gr = (long)it.e * 2 * INTER + neuron;
-            const float sg = row_scale<W13M>(w13_scales, gr), su = row_scale<W13M>(w13_scales, gr + INTER);
+            const float sg = row_scale<W13M>(w13_scales, gr) * WQ_UNIT, su = row_scale<W13M>(w13_scales, gr + INTER) * WQ_UNIT;
             const float bg = HAS_BIAS ? w13_bias[gr] : 0.f, bu = HAS_BIAS ? w13_bias[gr + INTER] : 0.f;
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf)
@@ -415,7 +439,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     (void)a_scales, (void)tile_expert;
     pdl_wait();  // a programmatic dependent of GEMM1
     pdl_launch_dependents();
-    using S = WqShape<BN2>;
+    using S = WqShape2;
     const int lane = threadIdx.x % 32;
     auto wrow = [&](const Work& it, int R) -> long {
         return (long)it.e * HIDDEN + it.nblk * BN2 + (R / 16) * 16 + 2 * (R % 8) + (R % 16) / 8;
@@ -428,7 +452,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         for (int mf = 0; mf < S::MF; ++mf) {
             const int n = it.nblk * BN2 + row0 + 16 * mf + 2 * (lane / 4);
             const long gr = (long)it.e * HIDDEN + n;
-            const float s0 = row_scale<W2M>(w2_scales, gr), s1 = row_scale<W2M>(w2_scales, gr + 1);
+            const float s0 = row_scale<W2M>(w2_scales, gr) * WQ_UNIT, s1 = row_scale<W2M>(w2_scales, gr + 1) * WQ_UNIT;
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf)
 #pragma unroll

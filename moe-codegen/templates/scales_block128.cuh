@@ -5,10 +5,14 @@ constexpr bool W_GROUP_SCALED = true;
 struct WScale {
     float s;
 };
+// Where the block scale of vector `vec` of `row` lies.
+template <class M>
+__device__ __forceinline__ const float* wscale_ptr(const void* scales, long row, int vec) {
+    return reinterpret_cast<const float*>(scales) + (row >> 7) * (M::K / 128) + (vec * W_VEC) / 128;  // rows >= 0
+}
 template <class M>
 __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
-    const long i = (row >> 7) * (M::K / 128) + (vec * W_VEC) / 128;  // rows are non-negative
-    return WScale{ __ldg(reinterpret_cast<const float*>(scales) + i) };
+    return WScale{ __ldg(wscale_ptr<M>(scales, row, vec)) };
 }
 __device__ __forceinline__ float group_scale(const WScale& ws, int) { return ws.s; }
 template <class M>

@@ -6,10 +6,14 @@ static_assert(W_GROUPS == 1, "an MX group spans at least one vector");
 struct WScale {
     unsigned e;
 };
+// Where the scale of vector `vec` of `row` lies.
+template <class M>
+__device__ __forceinline__ const unsigned char* wscale_ptr(const void* scales, long row, int vec) {
+    return reinterpret_cast<const unsigned char*>(scales) + row * (M::K / W_GROUP) + (vec * W_VEC) / W_GROUP;
+}
 template <class M>
 __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
-    const long i = row * (M::K / W_GROUP) + (vec * W_VEC) / W_GROUP;
-    return WScale{ __ldg(reinterpret_cast<const unsigned char*>(scales) + i) };
+    return WScale{ __ldg(wscale_ptr<M>(scales, row, vec)) };
 }
 // The exponent moved into place; code 0 is 2^-127, an fp32 subnormal.
 __device__ __forceinline__ float group_scale(const WScale& ws, int) {

@@ -6,12 +6,16 @@ constexpr bool W_GROUP_SCALED = true;
 struct WScale {
     unsigned r;
 };
+// Where the record of vector `vec` of `row` lies.
 template <class M>
-__device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
+__device__ __forceinline__ const unsigned* wscale_ptr(const void* scales, long row, int vec) {
     constexpr int G = W_GROUP ? W_GROUP : M::K;
     static_assert(G % W_VEC == 0, "a group spans whole vectors");
-    const long i = row * (M::K / G) + (vec * W_VEC) / G;
-    return WScale{ __ldg(reinterpret_cast<const unsigned*>(scales) + i) };
+    return reinterpret_cast<const unsigned*>(scales) + row * (M::K / G) + (vec * W_VEC) / G;
+}
+template <class M>
+__device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
+    return WScale{ __ldg(wscale_ptr<M>(scales, row, vec)) };
 }
 __device__ __forceinline__ float group_scale(const WScale& ws, int) {
     return __half2float(__ushort_as_half((unsigned short)(ws.r & 0xffffu)));

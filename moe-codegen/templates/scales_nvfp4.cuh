@@ -5,11 +5,15 @@ constexpr bool W_GROUP_SCALED = true;
 struct WScale {
     unsigned short b;  // the vector's W_GROUPS e4m3 codes, group 0 in the low byte
 };
+// Where the vector's W_GROUPS e4m3 scales of `row` lie.
+template <class M>
+__device__ __forceinline__ const unsigned short* wscale_ptr(const void* scales, long row, int vec) {
+    const unsigned char* body = reinterpret_cast<const unsigned char*>(scales) + 4 * M::E;
+    return reinterpret_cast<const unsigned short*>(body + row * (M::K / 16) + vec * W_GROUPS);
+}
 template <class M>
 __device__ __forceinline__ WScale load_wscale(const void* scales, long row, int vec) {
-    const unsigned char* body = reinterpret_cast<const unsigned char*>(scales) + 4 * M::E;
-    const long i = row * (M::K / 16) + vec * W_GROUPS;
-    return WScale{ __ldg(reinterpret_cast<const unsigned short*>(body + i)) };
+    return WScale{ __ldg(wscale_ptr<M>(scales, row, vec)) };
 }
 // Both groups' scales in one cvt.rn.f16x2.e4m3x2 (the same conversion for g = 0 and 1, so the
 // compiler keeps one).

@@ -394,11 +394,17 @@ fn grouped_fp8_matches_reference_on_every_geometry() {
 }
 
 /// Every format the grouped family decodes in registers (int8, int4, mxfp8, nvfp4, mxfp4 and their
-/// group and zero-point variants), on every reference geometry that takes it.
+/// group and zero-point variants), on every reference geometry that takes it. `MOE_FORMATS=a,b`
+/// narrows the run to those formats.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn grouped_quantized_formats_match_reference() {
+    let only: Option<Vec<String>> =
+        std::env::var("MOE_FORMATS").ok().map(|v| v.split(',').map(str::to_owned).collect());
     for format in WeightFormat::ALL.into_iter().filter(|&f| moe_codegen::grouped::dequantizes_weights(f)) {
+        if only.as_ref().is_some_and(|o| !o.iter().any(|n| n == format.name())) {
+            continue;
+        }
         geometry_cases(format, &[16, 33, 300, 4096]);
     }
 }
