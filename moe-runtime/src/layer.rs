@@ -90,12 +90,14 @@ pub struct MoeLayer {
     router_bias: CudaSlice<f32>,
 }
 
-/// Token count from which `forward` takes the grouped GEMMs for weights the tensor cores read as
-/// stored (bf16, fp16, fp8), unless `set_prefill_threshold` says otherwise; formats the grouped
-/// loader decodes cross over later (`dispatch::DECODED_PREFILL_THRESHOLD`). Qwen3-30B-A3B bf16
-/// (benches/results/h100-prefill.json, H100): at M = 16 the grouped path took 355 us against 414
-/// us for warp decode with uniform routing (152 against 244 skewed); at M = 8 warp decode still
-/// won with uniform routing (230 against 251 us).
+/// Token count from which `forward` takes the grouped GEMMs, unless `set_prefill_threshold` says
+/// otherwise. Qwen3-30B-A3B bf16 (benches/results/h100-prefill.json, H100): at M = 16 the grouped
+/// path took 355 us against 414 us for warp decode with uniform routing (152 against 244 skewed);
+/// at M = 8 warp decode still won with uniform routing (230 against 251 us). The formats whose
+/// weights the grouped GEMMs decode in registers cross over at the same count (H100, same run,
+/// grouped / warp decode at M = 16, uniform and skewed routing, us): mxfp4 149 / 215 and 90 /
+/// 188, int4_g128 148 / 181 and 54 / 160, mxfp8 206 / 234 and 112 / 203; int8 200 / 181 and 98 /
+/// 152 (M = 24: 237 / 250); at M = 8 warp decode wins with uniform routing for all of them.
 pub const DEFAULT_PREFILL_THRESHOLD: usize = 16;
 
 impl MoeLayer {
@@ -195,7 +197,7 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
-            prefill_threshold: crate::dispatch::default_prefill_threshold(&spec),
+            prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
             deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
             stream,
