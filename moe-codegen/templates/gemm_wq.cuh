@@ -57,13 +57,10 @@ using WqShape2 = WqShape<BN2>;
 static_assert(WqShape1::SMEM_BYTES == HOST_GEMM1_SMEM && WqShape2::SMEM_BYTES == HOST_GEMM2_SMEM,
               "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
 
-__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint2 wq_lds64(unsigned addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 { %0, %1 }, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
+// cp_async16 with the L2 fetching the whole 128-byte line: a weight row's next stage comes from L2.
+__device__ __forceinline__ void cp_async16_l2(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
 }
 __device__ __forceinline__ uint4 wq_lds128(unsigned addr) {
     uint4 v;
@@ -277,7 +274,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 const int q = threadIdx.x + GEMM_THREADS * j;
                 // A half last stage zero-fills its missing vectors (from a valid address).
                 const bool in = TAIL == 0 || kt < KT - 1 || (q % 4) * W_VEC < TAIL;
-                if (wsrc[j]) cp_async16(sw + q * 16, in ? wsrc[j] + kt * 64 : wsrc[j], in);
+                if (wsrc[j]) cp_async16_l2(sw + q * 16, in ? wsrc[j] + kt * 64 : wsrc[j], in);
             }
 #pragma unroll
             for (int j = 0; j < S::X_PER_THREAD; ++j) {
