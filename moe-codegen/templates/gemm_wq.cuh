@@ -3,7 +3,7 @@
 // output features), a tile's token rows its B (N side), so a handful of tokens per expert fills an
 // n8 fragment rather than a 128-row one. Each stage holds one subtile of K, four 16-byte vectors
 // (64 bytes) of every weight row exactly as stored (cp.async, with a 128-byte L2 prefetch), and
-// the same codes' activations of every token row. A thread decodes its own vector of a row
+// the same codes' activations of every live token row. A thread decodes its own vector of a row
 // (W_VEC codes) straight into A fragment registers (LUT-free, group scale applied, in act_t) and
 // never writes them back: each weight code is decoded once per tile of BM tokens.
 //
@@ -20,7 +20,6 @@ constexpr int WQ_CPW = 32 / WQ_BITS;         // codes per 32-bit word
 constexpr int WQ_PAIRS = WQ_CPW / 2;         // act_t pairs a word decodes to
 constexpr int WQ_SUB = 4 * W_VEC;            // codes per subtile (stage): 128 or 64
 constexpr int WQ_X_ROW = WQ_SUB * 2;         // a token row's bytes per stage
-constexpr bool WQ_ASYM = {{ fmt.asym }};     // zero points ride with the group scales
 constexpr bool WQ_BF16 = {{ act_bf16 }};     // the MMAs' type is the activations' (bf16 or fp16)
 // bf16 e2m1 weights are decoded times 1 / WQ_UNIT and the epilogue multiplies it back: NVFP4's
 // e4m3 group scales (up to 448) times the decode's 2^126 stay inside bf16 that way.
@@ -68,37 +67,24 @@ __device__ __forceinline__ uint4 wq_lds128(unsigned addr) {
     return v;
 }
 
-// Packed act_t pairs: a - b, a * b, and (a, b) from two floats.
-__device__ __forceinline__ unsigned act2_sub(unsigned a, unsigned b) {
-    unsigned d;
-    if constexpr (WQ_BF16) {
-        const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-        d = *reinterpret_cast<const unsigned*>(&r);
-    } else {
-        d = h2_as_u32(__hsub2(u32_as_h2(a), u32_as_h2(b)));
-    }
-    return d;
-}
-__device__ __forceinline__ unsigned act2_mul(unsigned a, unsigned b) {
-    unsigned d;
-    if constexpr (WQ_BF16) {
-        const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-        d = *reinterpret_cast<const unsigned*>(&r);
-    } else {
-        d = h2_as_u32(__hmul2(u32_as_h2(a), u32_as_h2(b)));
-    }
-    return d;
-}
+// Packed act_t pairs in a 32-bit word: a - b, a * b, a * b + c, and (a, b) from two floats.
+template <class T>
+struct Pair2;
+template <>
+struct Pair2<__nv_bfloat16> {
+    using type = __nv_bfloat162;
+};
+template <>
+struct Pair2<__half> {
+    using type = __half2;
+};
+using act2_t = Pair2<act_t>::type;
+__device__ __forceinline__ act2_t as_act2(unsigned u) { return *reinterpret_cast<const act2_t*>(&u); }
+__device__ __forceinline__ unsigned act2_bits(act2_t v) { return *reinterpret_cast<const unsigned*>(&v); }
+__device__ __forceinline__ unsigned act2_sub(unsigned a, unsigned b) { return act2_bits(__hsub2(as_act2(a), as_act2(b))); }
+__device__ __forceinline__ unsigned act2_mul(unsigned a, unsigned b) { return act2_bits(__hmul2(as_act2(a), as_act2(b))); }
 __device__ __forceinline__ unsigned act2_fma(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    if constexpr (WQ_BF16) {
-        const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b),
-                                         *reinterpret_cast<const __nv_bfloat162*>(&c));
-        d = *reinterpret_cast<const unsigned*>(&r);
-    } else {
-        d = h2_as_u32(__hfma2(u32_as_h2(a), u32_as_h2(b), u32_as_h2(c)));
-    }
-    return d;
+    return act2_bits(__hfma2(as_act2(a), as_act2(b), as_act2(c)));
 }
 __device__ __forceinline__ unsigned act2_pack(float lo, float hi) {
     if constexpr (WQ_BF16) {
