@@ -679,6 +679,38 @@ mod tests {
     }
 
     #[test]
+    fn weights_decoded_in_registers_take_their_own_tiles_on_every_geometry_and_arch() {
+        // gemm_wq.cuh: 64-token tiles, two blocks per SM where the shared memory holds them (one
+        // on sm_120a), as many stages as fit; the source's static_asserts see the host's sizes.
+        for (_, h, i, e, k) in crate::REFERENCE_GEOMETRIES {
+            for f in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Int8, WeightFormat::Mxfp8] {
+                let Ok(s) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
+                for arch in Arch::ALL {
+                    let t = GemmTiles::for_spec(&s, arch);
+                    assert_eq!((t.bm, t.mma, t.warp_specialized), (64, Mma::MmaSync, false), "{f} {arch}");
+                    assert_eq!(t.blocks_per_sm, if arch == Arch::Sm120a { 1 } else { 2 }, "{f} {arch}");
+                    assert!(t.check(&s, arch).is_ok() && t.fits(&s, arch), "{f} {arch}: {t:?}");
+                    // One more stage would not fit the blocks per SM.
+                    let deeper = GemmTiles { stages: t.stages + 1, ..t };
+                    assert!(t.stages == 8 || !deeper.fits(&s, arch), "{f} {arch}: {t:?}");
+                    let k = render_grouped(&s, arch, t).unwrap().source;
+                    for (name, v) in
+                        [("HOST_GEMM1_SMEM", t.gemm1_smem_bytes(&s)), ("HOST_GEMM2_SMEM", t.gemm2_smem_bytes(&s))]
+                    {
+                        assert!(k.contains(&format!("constexpr int {name} = {v};")), "{f} {arch}: {name} = {v}");
+                    }
+                }
+            }
+        }
+        // 4-bit stages carry 128 codes (64 bytes) of each weight row and 256 bytes of each token row.
+        let s = spec(2048, 768, 128, 8, WeightFormat::Mxfp4);
+        let t = GemmTiles::for_spec(&s, Arch::Sm90a);
+        assert_eq!(t.gemm1_smem_bytes(&s), t.stages * (128 * 64 + 64 * 256) + 128);
+        // Other token tiles than 64 and 128 are refused.
+        assert!(GemmTiles { bm: 32, ..t }.check(&s, Arch::Sm90a).is_err());
+    }
+
+    #[test]
     fn the_hosts_smem_sizes_reach_the_source() {
         // grouped_gemm.cu and prepare.cuh static_assert their layouts against these.
         for f in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
