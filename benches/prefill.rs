@@ -292,7 +292,7 @@ fn main() {
         vec![KernelFamily::GroupedGemm]
     };
     let routings: Vec<String> = list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into()]);
-    // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]
+    // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]
     // sets to sweep
     // (default: the spec's).
     let tile_sets: Vec<String> = args

@@ -58,24 +58,39 @@ pub struct GemmTiles {
     pub tail: u32,
 }
 
-/// Whether the grouped family multiplies `f` as e4m3.
+/// Whether `f` is an e4m3 format (the grouped family multiplies it as e4m3 where the geometry
+/// allows: [`quantizes_activations`]).
 pub(crate) fn is_fp8(f: WeightFormat) -> bool {
     matches!(f, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128)
 }
 
-/// Whether the grouped family reads the weights through the decode family's dequant include:
-/// every format but bf16, fp16 and the fp8 ones the tensor cores take as they are. Such weights
-/// are decoded by the loader into the activation dtype in shared memory, then multiplied on the
-/// `mma.sync` pipeline (`WQ` in gemm_tile.cuh).
+/// Whether `f` is a format the tensor cores never take as stored: every format but bf16, fp16
+/// and the fp8 ones. The grouped family decodes such weights in registers ([`decodes_weights`]).
 pub fn dequantizes_weights(f: WeightFormat) -> bool {
     !matches!(f, WeightFormat::Bf16 | WeightFormat::Fp16) && !is_fp8(f)
 }
 
-/// The code width of weights the grouped family decodes in registers ([`dequantizes_weights`]),
+/// Whether the grouped family multiplies `spec`'s weights as e4m3 on the tensor cores, x and the
+/// intermediate quantized to e4m3 first: fp8 weights whose hidden and intermediate sizes hold
+/// whole 128-byte k-tiles.
+pub fn quantizes_activations(spec: &MoeSpec) -> bool {
+    is_fp8(spec.weight_format()) && !decodes_weights(spec)
+}
+
+/// Whether the grouped family decodes `spec`'s weights in registers into the activation dtype
+/// (the mixed-input GEMMs of `gemm_wq.cuh`): every [`dequantizes_weights`] format, and
+/// per-channel fp8 whose hidden or intermediate size is not a whole number of 128-byte e4m3
+/// k-tiles (gpt-oss's 2880 = 22.5 x 128), which those GEMMs take in 64-code stages.
+pub fn decodes_weights(spec: &MoeSpec) -> bool {
+    let f = spec.weight_format();
+    let whole_k_tiles = spec.hidden() % BK_BYTES == 0 && spec.intermediate() % BK_BYTES == 0;
+    dequantizes_weights(f) || (f == WeightFormat::Fp8E4m3 && !whole_k_tiles)
+}
+
+/// The code width of weights the grouped family decodes in registers ([`decodes_weights`]),
 /// else `None`.
 pub(crate) fn wq_bits(spec: &MoeSpec) -> Option<u32> {
-    let f = spec.kernel_spec().weight_format();
-    dequantizes_weights(f).then(|| f.elem_bits())
+    decodes_weights(spec).then(|| spec.weight_format().elem_bits())
 }
 
 /// One pipeline stage of a mixed-input GEMM (`WqShape::STAGE_BYTES` in `gemm_wq.cuh`): four
@@ -90,8 +105,8 @@ pub(crate) fn wq_stage_bytes(bm: u32, bn: u32, bits: u32) -> u32 {
 /// do not change along K and its tensor cores accumulate the whole of K before one scaling in the
 /// epilogue (the fast-accumulation choice of inference fp8 GEMMs), rather than waiting on every
 /// k-tile's MMAs to scale them.
-pub fn x_per_token(f: WeightFormat) -> bool {
-    f == WeightFormat::Fp8E4m3
+pub fn x_per_token(spec: &MoeSpec) -> bool {
+    spec.weight_format() == WeightFormat::Fp8E4m3 && quantizes_activations(spec)
 }
 
 /// Threads per block of the router (one warp per token).
@@ -116,11 +131,16 @@ impl GemmTiles {
         crate::heuristics::gemm_tiles(&spec.kernel_spec(), arch)
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `128,128,4,1`,
-    /// `256,256,4,1,0` or `256,256,4,1,1,1,1,16`) over these defaults; `ws` is 1 for the
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]` (e.g. `128,128,4,1`,
+    /// `256,256,4,1,0`, `256,256,4,1,1,1,1,16` or `128,128,6,3,bm16`) over these defaults; `ws` is 1 for the
     /// warp-specialised pipeline, 0 for the block-barrier one (which implies cluster 1, lag 0,
     /// tail 0).
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
+        // An optional last field `bmN` sets the token rows per tile.
+        let (s, bm) = match s.rsplit_once(',') {
+            Some((head, last)) if last.trim().starts_with("bm") => (head, last.trim()[2..].parse().ok()?),
+            _ => (s, self.bm),
+        };
         let v: Vec<u32> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
         let (bn1, bn2, stages, blocks_per_sm, ws, cluster, lag, tail) = match v[..] {
             [a, b, c, d] => (a, b, c, d, self.warp_specialized, self.cluster, self.lag, self.tail),
@@ -131,12 +151,12 @@ impl GemmTiles {
             [a, b, c, d, w @ (0 | 1), cl, l, t] => (a, b, c, d, w == 1, cl, l, t),
             _ => return None,
         };
-        Some(GemmTiles { bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, tail, ..self })
+        Some(GemmTiles { bm, bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, tail, ..self })
     }
 
     /// The rows GEMM1's extended items add (`tail` where the pipeline allows it, else 0).
     pub fn extended_rows(&self, spec: &MoeSpec) -> u32 {
-        let unscaled = !is_fp8(spec.weight_format()) || x_per_token(spec.weight_format());
+        let unscaled = !quantizes_activations(spec) || x_per_token(spec);
         let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled;
         if fits {
             self.tail
@@ -188,7 +208,7 @@ impl GemmTiles {
     /// Whether GEMM1 quantizes the intermediate to e4m3 itself (fp8, warp-specialised, 128
     /// intermediate columns per tile: one scale block per row), so no separate quantizer runs.
     pub fn quantizes_mid(&self, spec: &MoeSpec) -> bool {
-        is_fp8(spec.weight_format()) && self.warp_specialized && self.bn1 == 256
+        quantizes_activations(spec) && self.warp_specialized && self.bn1 == 256
     }
 
     /// Threads per GEMM block: warp-specialised, a producer warpgroup and two consumer
@@ -212,8 +232,8 @@ impl GemmTiles {
 pub fn grouped_support(spec: &MoeSpec) -> Result<(), String> {
     let spec = &spec.kernel_spec();
     let f = spec.weight_format();
-    let elem = if is_fp8(f) { 1 } else { 2 };
-    if dequantizes_weights(f) && spec.dequant() == Some(crate::DequantVariant::Lut) {
+    let elem = if quantizes_activations(spec) { 1 } else { 2 };
+    if decodes_weights(spec) && spec.dequant() == Some(crate::DequantVariant::Lut) {
         // The table lives in shared memory the GEMM's stages take.
         return Err(format!("{f} weights with the lut dequant variant (bits and hardware are supported)"));
     }
@@ -325,27 +345,31 @@ impl GemmTiles {
             )));
         }
         let (h, i) = (spec.hidden(), spec.intermediate());
-        let fp8 = is_fp8(spec.weight_format());
+        let fp8 = quantizes_activations(spec);
         // wgmma keeps a k-tile's MMAs in flight (one more stage held) where it need not scale them.
-        let unscaled = !fp8 || (x_per_token(spec.weight_format()) && tiles.warp_specialized);
+        let unscaled = !fp8 || (x_per_token(spec) && tiles.warp_specialized);
         if !matches!(tiles.tail, 0 | 16) {
             return Err(unsupported(format!("extended items of {} rows (0 or 16)", tiles.tail)));
         }
         let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
-        let wq = dequantizes_weights(spec.weight_format());
-        // The mixed-input GEMMs take 64-row token tiles too (gemm_wq.cuh).
-        let bm_ok = tiles.bm == 128 || (wq && tiles.bm == 64);
+        let wq = decodes_weights(spec);
+        // The mixed-input GEMMs (gemm_wq.cuh) take 64-, 32- and 16-row token tiles too, as long
+        // as the 256 threads copy a stage's activations (bm rows of 64 / bits chunks of 16 bytes)
+        // in equal shares, and up to 4 blocks per SM.
+        let bm_ok = tiles.bm == 128
+            || (wq && matches!(tiles.bm, 16 | 32 | 64) && tiles.bm * 64 / spec.weight_format().elem_bits() % 256 == 0);
         let least = if wq { 2 } else { 2 + inflight };
         let most = 16;
+        let most_blocks = if wq { 4 } else { 2 };
         if !bm_ok
             || tiles.stages < least
             || tiles.stages > most
             || !matches!(tiles.bn2, 64 | 128 | 256)
             || !matches!(tiles.bn1, 64 | 128 | 256)
-            || !matches!(tiles.blocks_per_sm, 1 | 2)
+            || !(1..=most_blocks).contains(&tiles.blocks_per_sm)
         {
             return Err(unsupported(format!(
-                "tiles {tiles:?} (bm 128, or 64 for weights decoded in registers; bn 64/128/256, stages {least} to {most}, 1 or 2 blocks per SM)"
+                "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
             )));
         }
         if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
@@ -437,20 +461,21 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     tiles.check_kernel_spec(spec, arch)?;
     let family = KernelFamily::GroupedGemm;
     let (h, i) = (spec.hidden(), spec.intermediate());
-    let fp8 = is_fp8(spec.weight_format());
+    let fp8 = quantizes_activations(spec);
     let f = spec.weight_format();
-    let wq = dequantizes_weights(f);
+    let wq = decodes_weights(spec);
     let act16 = match spec.act_dtype() {
         crate::ActDtype::Bf16 => "bf16",
         crate::ActDtype::Fp16 => "f16",
     };
     let (elem_bytes, mma_type, wscale) = match f {
+        // Decoded into the activation dtype by the mixed-input GEMMs, every scale applied there.
+        _ if wq => (2, act16, 0),
         WeightFormat::Bf16 => (2, "bf16", 0),
         WeightFormat::Fp16 => (2, "f16", 0),
         WeightFormat::Fp8E4m3 => (1, "e4m3", 1),
         WeightFormat::Fp8E4m3B128 => (1, "e4m3", 2),
-        // Decoded into the activation dtype by the loader, every scale applied there.
-        _ => (2, act16, 0),
+        _ => unreachable!("{f} weights are decoded in registers"),
     };
     let fmt = if wq {
         let variant = crate::render::resolve_dequant(spec, arch)?;
@@ -512,7 +537,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         lag: tiles.lag,
         tail: ext,
         mid_fp8: tiles.quantizes_mid(spec),
-        x_per_row: x_per_token(f),
+        x_per_row: x_per_token(spec),
         elem_bytes,
         wscale,
         mma_type,
@@ -573,13 +598,16 @@ mod tests {
                 let Ok(s) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
                 for arch in Arch::ALL {
                     let r = render_grouped(&s, arch, GemmTiles::for_spec(&s, arch));
-                    let fp8_misfit = f != WeightFormat::Bf16 && (h % 128 != 0 || i % 128 != 0);
-                    assert_eq!(r.is_err(), fp8_misfit, "{f} {h}x{i} on {arch}: {r:?}");
-                    if let Ok(k) = r {
-                        assert!(k.source.contains(&format!("constexpr int HIDDEN = {h};")));
-                        assert_eq!(k.source.contains("#define MOE_WGMMA 1"), arch == Arch::Sm90a);
-                        assert!(!k.source.contains("{%"), "askama left a tag");
-                    }
+                    // Per-channel fp8 whose k does not hold whole 128-byte tiles (gpt-oss's 2880)
+                    // is decoded in registers; the block-scaled format refuses it at build.
+                    let misfit = f != WeightFormat::Bf16 && (h % 128 != 0 || i % 128 != 0);
+                    assert_eq!(decodes_weights(&s), misfit, "{f} {h}x{i}");
+                    assert_eq!(quantizes_activations(&s), f != WeightFormat::Bf16 && !misfit, "{f} {h}x{i}");
+                    let k = r.unwrap_or_else(|e| panic!("{f} {h}x{i} on {arch}: {e}"));
+                    assert_eq!(k.source.contains("constexpr int ELEM_BYTES = 1;"), quantizes_activations(&s));
+                    assert!(k.source.contains(&format!("constexpr int HIDDEN = {h};")));
+                    assert_eq!(k.source.contains("#define MOE_WGMMA 1"), arch == Arch::Sm90a && !misfit);
+                    assert!(!k.source.contains("{%"), "askama left a tag");
                 }
             }
         }
@@ -622,7 +650,7 @@ mod tests {
     fn per_channel_fp8_scales_x_per_token_and_keeps_mmas_in_flight() {
         let s = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3);
         let t = GemmTiles::for_spec(&s, Arch::Sm90a);
-        assert!(x_per_token(s.weight_format()));
+        assert!(x_per_token(&s));
         assert!(render_grouped(&s, Arch::Sm90a, t).unwrap().source.contains("constexpr bool X_PER_ROW = true;"));
         // GEMM1 then holds a k-tile's MMAs in flight: one more stage than a promoting pipeline.
         assert!(render_grouped(&s, Arch::Sm90a, GemmTiles { stages: 2, ..t }).is_err());
@@ -630,7 +658,7 @@ mod tests {
         // 128 x 128 blocks scale along K: x keeps a scale per 128, and two stages do.
         let b = spec(2048, 768, 128, 8, WeightFormat::Fp8E4m3B128);
         let tb = GemmTiles::for_spec(&b, Arch::Sm90a);
-        assert!(!x_per_token(b.weight_format()));
+        assert!(!x_per_token(&b));
         assert!(render_grouped(&b, Arch::Sm90a, tb).unwrap().source.contains("constexpr bool X_PER_ROW = false;"));
         assert!(render_grouped(&b, Arch::Sm90a, GemmTiles { stages: 2, ..tb }).is_ok());
     }

@@ -9,7 +9,7 @@
 //! key: changing one here renders (and compiles) new kernels.
 
 use crate::format::Codec;
-use crate::grouped::{is_fp8, GemmTiles, Mma};
+use crate::grouped::{quantizes_activations, GemmTiles, Mma};
 use crate::render::{bulk_smem_bytes, DecodeTiles, BULK_SMEM_MAX};
 use crate::spec::{Arch, MoeSpec};
 
@@ -196,7 +196,7 @@ pub fn token_tile(m: u32) -> u32 {
 pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
     let (h, i) = (spec.hidden(), spec.intermediate());
     // Weights decoded by the loader take the mma.sync pipeline on every arch.
-    if arch == Arch::Sm90a && !crate::grouped::dequantizes_weights(spec.weight_format()) {
+    if arch == Arch::Sm90a && !crate::grouped::decodes_weights(spec) {
         let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
         return GemmTiles {
             bm: 128,
@@ -275,7 +275,7 @@ fn widest(n: u32, options: &[u32]) -> u32 {
 /// per item, loses).
 pub fn gemm_cluster(spec: &MoeSpec, bn1: u32, bn2: u32) -> u32 {
     let (h, i) = (spec.hidden(), spec.intermediate());
-    let elem = if is_fp8(spec.weight_format()) { 1 } else { 2 };
+    let elem = if quantizes_activations(spec) { 1 } else { 2 };
     let long_items = h * elem / 128 >= 32 && i * elem / 128 >= 32;
     let even = (i / (bn1 / 2)) % 2 == 0 && (h / bn2) % 2 == 0;
     if long_items && even {
@@ -292,7 +292,7 @@ pub fn gemm_cluster(spec: &MoeSpec, bn1: u32, bn2: u32) -> u32 {
 /// rather than twice, which is faster for bf16 / fp16; fp8 GEMM1's e4m3 epilogue already sits at
 /// the register limit and spills with the extra accumulators.
 pub fn gemm_tail(spec: &MoeSpec) -> u32 {
-    if is_fp8(spec.weight_format()) {
+    if quantizes_activations(spec) {
         0
     } else {
         16

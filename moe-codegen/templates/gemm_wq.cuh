@@ -1,4 +1,5 @@
-// Weights the tensor cores do not take (WQ: int8, int4, mxfp8, nvfp4, mxfp4): a mixed-input
+// Weights the tensor cores do not take (WQ: int8, int4, mxfp8, nvfp4, mxfp4, and per-channel fp8
+// whose K is not whole 128-byte e4m3 tiles, as gpt-oss's 2880): a mixed-input
 // grouped GEMM with the operands swapped. The packed weight rows are the MMA's A (its M side: the
 // output features), a tile's token rows its B (N side), so a handful of tokens per expert fills an
 // n8 fragment rather than a 128-row one. Each stage holds one subtile of K, four 16-byte vectors
@@ -25,6 +26,18 @@ constexpr bool WQ_BF16 = {{ act_bf16 }};     // the MMAs' type is the activation
 // e4m3 group scales (up to 448) times the decode's 2^126 stay inside bf16 that way.
 constexpr float WQ_UNIT = WQ_BF16 && {{ fmt.scales == "nvfp4" }} ? 65536.0f : 1.0f;
 static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
+// bf16 e2m1 with e8m0 scales: a scale of 2 or more leaves the decode's one multiply (s 2^126)
+// past bf16's range, and such a warp's stage takes two (wq_decode<true>). NVFP4's e4m3 scales
+// (at most 448 times 2^110) never do.
+constexpr bool WQ_BIG_SCALES = WQ_BF16 && {{ fmt.codec == "e2m1" && fmt.scales != "nvfp4" }};
+__device__ __forceinline__ bool wq_big(float s) { return !(s * __int_as_float(0x7e800000) < 1.6e38f); }
+// Where GEMM1 stores, and GEMM2 finds, intermediate column n: permuted within each word's worth
+// of codes so that a thread's W_VEC activations read back in its fragment slots' order (slot pair
+// q in word q: GEMM2 builds its B fragments without byte permutes).
+__device__ __forceinline__ int wq_mid_col(int n) {
+    const int e = n % WQ_CPW;
+    return n - e + 2 * (e % WQ_PAIRS) + e / WQ_PAIRS;
+}
 // A reduction of K codes takes ceil(K / WQ_SUB) stages; 4-bit K may end in half a subtile
 // (gpt-oss's 2880 = 22.5 x 128), whose missing half is zero-filled.
 static_assert(HIDDEN % 64 == 0 && INTER % 64 == 0, "whole half subtiles");
@@ -103,7 +116,10 @@ __device__ __forceinline__ unsigned h2_scaled(unsigned h, float s) {
 
 // One word of codes -> WQ_PAIRS act_t pairs (pair p: codes p and p + WQ_PAIRS, low half first),
 // times the group scale s (when the format has group scales; row scales wait for the epilogue).
-__device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s, unsigned (&out)[WQ_PAIRS]) {
+// big: some scale of the warp's stage is past the one-multiply range (WQ_BIG_SCALES); a constant
+// at every call.
+__device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws, float s, unsigned (&out)[WQ_PAIRS]) {
+    (void)big;
     (void)ws;
     (void)s;
 {%- if fmt.codec == "uint4" %}
@@ -154,20 +170,19 @@ __device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s,
         // bf16 holding the value times 2^-126 (subnormal 0.5 included). One multiply places both
         // at once (nibble n at bits 0-3 times 2^12 + 2^6, or at bits 4-7 times 2^8 + 2^2: the two
         // copies do not overlap, so nothing carries) and one AND keeps them. Then one multiply by
-        // s 2^126 / WQ_UNIT (exact: a power of two, or an e4m3 value times one); an MX scale of 4
-        // or more would overflow that, and takes two multiplies instead.
-        const float comb = s * (__int_as_float(0x7e800000) / WQ_UNIT);  // 2^126 / WQ_UNIT
-        const bool big = !(comb < 1.6e38f);                 // past 2^127: not a bf16 power of two
-        const unsigned s2 = act2_splat(big ? 1.0f : comb);
+        // s 2^126 / WQ_UNIT (exact: a power of two, or an e4m3 value times one); an MX scale of 2
+        // or more would overflow that, and takes two multiplies instead (big).
         const unsigned lo = w, hi = w >> 8;
         const unsigned v[4] = {((lo & 0x000f000fu) * 0x1040u) & 0x81c081c0u, ((lo & 0x00f000f0u) * 0x104u) & 0x81c081c0u,
                                ((hi & 0x000f000fu) * 0x1040u) & 0x81c081c0u, ((hi & 0x00f000f0u) * 0x104u) & 0x81c081c0u};
-#pragma unroll
-        for (int p = 0; p < 4; ++p) out[p] = act2_mul(v[p], s2);
-        if (big) {
+        if (WQ_BIG_SCALES && big) {
             const unsigned up = 0x7e807e80u, sx = act2_splat(s);  // 2^126, then s
 #pragma unroll
             for (int p = 0; p < 4; ++p) out[p] = act2_mul(act2_mul(v[p], up), sx);
+        } else {
+            const unsigned s2 = act2_splat(s * (__int_as_float(0x7e800000) / WQ_UNIT));  // s 2^126 / WQ_UNIT
+#pragma unroll
+            for (int p = 0; p < 4; ++p) out[p] = act2_mul(v[p], s2);
         }
     } else {
         // fp16: the same bits at 9-11 hold the value times 2^-14; widened and scaled in fp32
@@ -189,8 +204,8 @@ __device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s,
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             const unsigned y = w >> (8 * p);
-            const unsigned v = ((y << 8) & 0x80008000u) | ((y << 4) & 0x07f007f0u);
-            out[p] = act2_mul(act2_mul(v, up), s2);
+            const unsigned v = act2_mul(((y << 8) & 0x80008000u) | ((y << 4) & 0x07f007f0u), up);
+            out[p] = W_GROUP_SCALED ? act2_mul(v, s2) : v;  // per-channel fp8: the epilogue scales
         }
     } else {
         const unsigned y = __byte_perm(w, 0u, 0x3120u);  // bytes 0, 2, 1, 3
@@ -201,6 +216,27 @@ __device__ __forceinline__ void wq_decode(unsigned w, const WScale& ws, float s,
         }
     }
 {%- endif %}
+}
+
+// A stage's A fragments of a thread: its vector of each of its rows (row + 16 mf + 8 h, in the
+// stage's weight tile at sw), decoded; slot pair q of row h in a[mf][h][q].
+template <bool BIG, int MF, int NWORDS>
+__device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, const WScale (&ws)[MF][2],
+                                                unsigned (&a)[MF][2][NWORDS]) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 v = wq_lds128(sw + (row + 16 * mf + 8 * h) * 64 + 16 * c);
+            const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                unsigned pr[WQ_PAIRS];
+                wq_decode(BIG, words[i], ws[mf][h], group_scale(ws[mf][h], i * W_GROUPS / 4), pr);
+#pragma unroll
+                for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
+            }
+        }
 }
 
 // The element of a thread's W_VEC codes that fragment slot pair q, half hi, holds.
@@ -217,7 +253,8 @@ __device__ __forceinline__ unsigned x_pair(const unsigned (&x)[W_VEC / 2], int e
 // global weight row of the item's stage row R; xrow(it, r): token row r (< it.rows) of the tile;
 // epi(it, acc, row0, tok0): acc[mf][nf][i] of this thread, fragment rows row0 + 16 mf, tokens
 // tok0 + 8 nf (the mma C layout).
-template <int BN, int KDIM, class M, class WRow, class XRow, class Epi>
+// X_PAIRED: the activations are stored with wq_mid_col's permutation (GEMM2 reading mid).
+template <int BN, int KDIM, class M, bool X_PAIRED, class WRow, class XRow, class Epi>
 __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
                                         const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
                                         const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
@@ -305,20 +342,16 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
             // A: the thread's vector of each of its rows, decoded; slot pair q of row h.
             unsigned a[S::MF][2][NWORDS];
+            // One branch per warp and stage (not per word) for the rare scales past one multiply.
+            bool big = false;
+            if constexpr (WQ_BIG_SCALES) {
 #pragma unroll
-            for (int mf = 0; mf < S::MF; ++mf)
+                for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const uint4 v = wq_lds128(sw + (row0 + 16 * mf + g + 8 * h) * 64 + 16 * c);
-                    const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        unsigned pr[WQ_PAIRS];
-                        wq_decode(words[i], ws.s[mf][h], group_scale(ws.s[mf][h], i * W_GROUPS / 4), pr);
-#pragma unroll
-                        for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
-                    }
-                }
+                    for (int h = 0; h < 2; ++h) big |= wq_big(group_scale(ws.s[mf][h], 0));
+            }
+            if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
+            else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
             // B: the same W_VEC activations of each live token, paired as the slots are.
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf) {
@@ -332,8 +365,8 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 }
 #pragma unroll
                 for (int st = 0; st < NWORDS / 2; ++st) {
-                    const unsigned b0 = x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
-                    const unsigned b1 = x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
+                    const unsigned b0 = X_PAIRED ? x[2 * st] : x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
+                    const unsigned b1 = X_PAIRED ? x[2 * st + 1] : x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
 #pragma unroll
                     for (int mf = 0; mf < S::MF; ++mf) {
                         const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1],
@@ -402,11 +435,11 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                     const int t = tok0 + 8 * nf + 2 * (lane % 4) + j;
                     if (t >= it.rows) continue;
                     const float v = moe_glu(acc[mf][nf][j] * sg + bg, acc[mf][nf][2 + j] * su + bu);
-                    mid[(long)(it.tile * BM + t) * INTER + neuron] = (act_t)v;
+                    mid[(long)(it.tile * BM + t) * INTER + wq_mid_col(neuron)] = (act_t)v;
                 }
         }
     };
-    wq_gemm<BN1, HIDDEN, W13M>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
+    wq_gemm<BN1, HIDDEN, W13M, false>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
                                xrow, epi);
 }
 #endif  // entry moe_gemm1
@@ -448,6 +481,6 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                 }
         }
     };
-    wq_gemm<BN2, INTER, W2M>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
+    wq_gemm<BN2, INTER, W2M, true>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
                              epi);
 }

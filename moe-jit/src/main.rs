@@ -91,7 +91,7 @@ enum Cmd {
         #[arg(long)]
         dump: Option<PathBuf>,
         /// Grouped-GEMM tiles over each spec's defaults, as the prefill bench's `--tiles`:
-        /// `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]` (e.g. `256,256,4,1,1,1,0,16`).
+        /// `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]` (e.g. `256,256,4,1,1,1,0,16`).
         #[arg(long)]
         tiles: Option<String>,
     },
@@ -297,7 +297,7 @@ fn main() -> ExitCode {
                 GemmTiles::for_spec(&any, Arch::Sm90a).parse(t).is_some()
             };
             if let Some(t) = tiles.as_deref().filter(|t| !shape_ok(t)) {
-                eprintln!("--tiles {t}: expected bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]]");
+                eprintln!("--tiles {t}: expected bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]");
                 return ExitCode::from(USAGE);
             }
             let spec = SpecArgs {

@@ -79,7 +79,7 @@ where
 /// per 128 along K, x with one per token where the weights have per-channel scales
 /// ([`moe_codegen::grouped::x_per_token`]), else one per 128 too.
 pub fn moe_forward_fp8_acts(spec: &MoeSpec, w: &HostWeights, x: &[f32], ids: &[i32], weights: &[f32]) -> Vec<f64> {
-    let x_group = if moe_codegen::grouped::x_per_token(spec.weight_format()) { spec.hidden() as usize } else { 128 };
+    let x_group = if moe_codegen::grouped::x_per_token(spec) { spec.hidden() as usize } else { 128 };
     let xq = quant_e4m3(x, x_group);
     let act = spec.act_dtype();
     // The shared gate reads x as the device holds it (before the GEMMs' e4m3 copy).

@@ -17,7 +17,7 @@ use moe_codegen::params::{
     CombineRowsParams, ConvertParams, Gemm1Params, Gemm2Params, KernelParams, PrepareParams, QuantMidParams,
     RouteParams, TmaDesc,
 };
-use moe_codegen::{GemmTiles, KernelSource, MoeSpec, WeightFormat};
+use moe_codegen::{GemmTiles, KernelSource, MoeSpec};
 use std::sync::{Arc, Mutex};
 
 /// A step's alignment as the device left it (buffers at their reserved sizes).
@@ -170,13 +170,13 @@ impl GroupedPath {
         let gemm1_blocks = blocks(&fns.gemm1, gemm1_smem)?;
         let gemm2_blocks = blocks(&fns.gemm2_atomic, tiles.gemm2_smem_bytes(spec))?;
         blocks(&fns.gemm2_rows, tiles.gemm2_smem_bytes(spec))?;
-        let fp8 = matches!(spec.weight_format(), WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128);
+        let fp8 = moe_codegen::grouped::quantizes_activations(spec);
         tracing::info!(module = %src.name, ?tiles, gemm1_blocks, gemm2_blocks, "grouped path loaded");
         Ok(GroupedPath {
             tiles,
             fns,
             fp8,
-            x_per_token: x_per_token(spec.weight_format()),
+            x_per_token: x_per_token(spec),
             mid_in_gemm1: tiles.quantizes_mid(spec),
             ext_rows: tiles.extended_rows(spec),
             gemm1_smem,
