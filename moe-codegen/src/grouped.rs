@@ -182,10 +182,10 @@ impl GemmTiles {
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
-    /// `bn` weight rows of `bits`-bit codes per tile: its stages ([`wq_stage_bytes`]) plus 128
-    /// bytes of alignment slack.
+    /// `bn` weight rows of `bits`-bit codes per tile: its stages ([`wq_stage_bytes`]), 128 bytes
+    /// of alignment slack and each stage's two 8-byte mbarriers.
     fn wq_smem_bytes(&self, bn: u32, bits: u32) -> u32 {
-        self.stages * wq_stage_bytes(self.bm, bn, bits) + 128
+        self.stages * (wq_stage_bytes(self.bm, bn, bits) + 16) + 128
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns and `ext` extended rows: the

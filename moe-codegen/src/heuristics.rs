@@ -243,7 +243,7 @@ fn wq_tiles(h: u32, bits: u32, arch: Arch) -> GemmTiles {
     let stage = crate::grouped::wq_stage_bytes(bm, bn1.max(bn2), bits);
     // The runtime reserves 1 KiB per resident block.
     let stages = (2..=8).rev().find(|s| {
-        let need = s * stage + 128;
+        let need = s * (stage + 16) + 128;
         need <= block && (need + 1024) * blocks_per_sm <= sm
     });
     GemmTiles {

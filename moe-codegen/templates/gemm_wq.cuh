@@ -52,10 +52,10 @@ struct WqShape {
     static constexpr int W_BYTES = BN * 64;  // one stage of weights
     static constexpr int X_BYTES = BM * WQ_X_ROW;
     static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128;  // + alignment slack
-    static constexpr int W_PER_THREAD = (BN * 4 + GEMM_THREADS - 1) / GEMM_THREADS;
-    static constexpr int X_PER_THREAD = BM * (WQ_X_ROW / 16) / GEMM_THREADS;
+    // + alignment slack, then each stage's full and empty mbarriers
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128 + 16 * STAGES;
     static_assert(BM * (WQ_X_ROW / 16) % GEMM_THREADS == 0, "whole token chunks per thread");
+    static_assert(BN * 4 % 32 == 0, "whole weight chunks per lane");
 };
 // Where 16-byte chunk j of token row n lies in its stage row: swizzled so that the threads of one
 // shared-memory phase (two rows, each thread its W_VEC activations) hit different banks.
@@ -253,6 +253,13 @@ __device__ __forceinline__ unsigned x_pair(const unsigned (&x)[W_VEC / 2], int e
 // global weight row of the item's stage row R; xrow(it, r): token row r (< it.rows) of the tile;
 // epi(it, acc, row0, tok0): acc[mf][nf][i] of this thread, fragment rows row0 + 16 mf, tokens
 // tok0 + 8 nf (the mma C layout).
+//
+// The pipeline runs through mbarriers, not block barriers: the block's stages form one stream
+// across its work items (fill f: item f / KT, k-subtile f % KT), and warp f % 8 copies fill f
+// (cp.async, every lane then arriving on the stage's full barrier) once every warp has arrived on
+// its empty barrier after the fill that used the stage before. So the copies' bookkeeping is
+// spread over the warps, one in eight stages each; no warp waits for the others except for a
+// stage they have yet to release, and an item's first stages load under the last one's epilogue.
 // X_PAIRED: the activations are stored with wq_mid_col's permutation (GEMM2 reading mid).
 template <int BN, int KDIM, class M, bool X_PAIRED, class WRow, class XRow, class Epi>
 __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
@@ -262,54 +269,108 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     constexpr int KT = (KDIM + WQ_SUB - 1) / WQ_SUB;  // stages per item
     constexpr int TAIL = KDIM % WQ_SUB;               // codes of a half last stage, or 0
     constexpr long PITCH = (long)KDIM * WQ_BITS / 8;  // bytes per packed row
-    constexpr int AHEAD = STAGES - 1;
+    // Fills in flight ahead of the one computed: two stages short of the ring, so that the warp
+    // refilling a stage finds it released by the others (they only had to finish the fill before
+    // last) rather than waiting for the slowest.
+    constexpr int AHEAD = STAGES > 2 ? STAGES - 2 : 1;
+    constexpr int WARPS = GEMM_THREADS / 32;
     constexpr int NWORDS = 4 * WQ_PAIRS;  // pairs a thread's vector decodes to
+    constexpr int XCH = WQ_X_ROW / 16;    // 16-byte chunks of a token row per stage
     const unsigned base = (smem_u32(smem) + 127u) & ~127u;
+    const unsigned bars = base + STAGES * S::STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] after them
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int c = lane % 4, g = lane / 4;
     const int wm = warp % S::WM, wn = warp / S::WM;
     const int row0 = wm * S::MF * 16, tok0 = wn * (BM / S::WN);
     const int2 counts = tile_counts(num_tiles);
     const int work = counts.x * nt;
-    for (int wi = blockIdx.x; wi < work; wi += gridDim.x) {
-        const Work it = work_item(wi, nt, tile_span, counts);
-        // This thread's copies: chunk j of weight row R (4 per row), token chunks of live rows.
-        const unsigned char* wsrc[S::W_PER_THREAD];
-#pragma unroll
-        for (int j = 0; j < S::W_PER_THREAD; ++j) {
-            const int q = threadIdx.x + GEMM_THREADS * j;
-            wsrc[j] = q < BN * 4 ? w + wrow(it, q / 4) * PITCH + (q % 4) * 16 : nullptr;
+    const int items = (int)blockIdx.x < work ? (work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int fills = items * KT;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bars + 8 * s, 32);              // the copying warp's lanes (cp.async arrivals)
+            mbar_init(bars + 8 * (STAGES + s), WARPS);  // every warp, done reading the stage
         }
-        const act_t* xsrc[S::X_PER_THREAD];
+        mbar_init_fence();
+    }
+    __syncthreads();
+    // Fill f, by the whole calling warp: its stage freed, then this lane's share of the weight
+    // rows' and the live token rows' chunks, then one arrival once they land.
+    auto load = [&](int f) {
+        const int s = f % STAGES, kt = f % KT;
+        if (f >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((f / STAGES) & 1) ^ 1);
+        const Work it = work_item((int)blockIdx.x + (f / KT) * (int)gridDim.x, nt, tile_span, counts);
+        const unsigned sw = base + s * S::STAGE_BYTES, sx = sw + S::W_BYTES;
 #pragma unroll
-        for (int j = 0; j < S::X_PER_THREAD; ++j) {
-            const int q = threadIdx.x + GEMM_THREADS * j;
-            const int r = q / (WQ_X_ROW / 16);
-            xsrc[j] = r < it.rows ? xrow(it, r) + 8 * (q % (WQ_X_ROW / 16)) : nullptr;
+        for (int j = 0; j < BN * 4 / 32; ++j) {
+            const int q = lane + 32 * j, ch = q % 4;
+            // A half last stage zero-fills its missing vectors (from a valid address).
+            const bool in = TAIL == 0 || kt < KT - 1 || ch * W_VEC < TAIL;
+            const unsigned char* src = w + wrow(it, q / 4) * PITCH + ch * 16;
+            cp_async16_l2(sw + q * 16, in ? src + kt * 64 : src, in);
         }
-        // The scale line of the thread's first weight row, brought into L2 as far ahead as the
-        // weights (the registers below take the scales one stage ahead).
-        const long prow = threadIdx.x < BN ? wrow(it, threadIdx.x) : -1;
-        auto load = [&](int stage, int kt) {
-            const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+        for (int q = lane; q < it.rows * XCH; q += 32) {
+            const int r = q / XCH, ch = q % XCH;
+            const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
+            const act_t* src = xrow(it, r) + 8 * ch;
+            cp_async16(sx + r * WQ_X_ROW + (wq_x_chunk(r, ch) << 4), in ? src + kt * WQ_SUB : src, in);
+        }
+        // The scale lines of the stage's rows, brought into L2 as far ahead as the weights (the
+        // registers below take the scales one stage ahead).
+        if constexpr (W_GROUP_SCALED) {
 #pragma unroll
-            for (int j = 0; j < S::W_PER_THREAD; ++j) {
-                const int q = threadIdx.x + GEMM_THREADS * j;
-                // A half last stage zero-fills its missing vectors (from a valid address).
-                const bool in = TAIL == 0 || kt < KT - 1 || (q % 4) * W_VEC < TAIL;
-                if (wsrc[j]) cp_async16_l2(sw + q * 16, in ? wsrc[j] + kt * 64 : wsrc[j], in);
+            for (int j = 0; j < BN / 32; ++j)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(
+                    wscale_ptr<M>(scales, wrow(it, lane + 32 * j), min(kt * 4, KDIM / W_VEC - 1))));
+        }
+        cp_async_arrive_noinc(bars + 8 * s);
+    };
+    struct Scales {
+        WScale s[S::MF][2];
+    };
+    auto compute = [&](int stage, const Scales& ws, float (&acc)[S::MF][S::NF][4], int live) {
+        const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+        // A: the thread's vector of each of its rows, decoded; slot pair q of row h.
+        unsigned a[S::MF][2][NWORDS];
+        // One branch per warp and stage (not per word) for the rare scales past one multiply.
+        bool big = false;
+        if constexpr (WQ_BIG_SCALES) {
+#pragma unroll
+            for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) big |= wq_big(group_scale(ws.s[mf][h], 0));
+        }
+        if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
+        else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
+        // B: the same W_VEC activations of each live token, paired as the slots are.
+#pragma unroll
+        for (int nf = 0; nf < S::NF; ++nf) {
+            if (nf >= live) break;
+            const int r = tok0 + 8 * nf + g;
+            unsigned x[W_VEC / 2];
+#pragma unroll
+            for (int i = 0; i < W_VEC / 8; ++i) {
+                const uint4 v = wq_lds128(sx + r * WQ_X_ROW + (wq_x_chunk(r, (W_VEC / 8) * c + i) << 4));
+                x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
             }
 #pragma unroll
-            for (int j = 0; j < S::X_PER_THREAD; ++j) {
-                const int q = threadIdx.x + GEMM_THREADS * j;
-                const int r = q / (WQ_X_ROW / 16), ch = q % (WQ_X_ROW / 16);
-                const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
-                if (xsrc[j])
-                    cp_async16(sx + r * WQ_X_ROW + (wq_x_chunk(r, ch) << 4), in ? xsrc[j] + kt * WQ_SUB : xsrc[j], in);
+            for (int st = 0; st < NWORDS / 2; ++st) {
+                const unsigned b0 = X_PAIRED ? x[2 * st] : x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
+                const unsigned b1 = X_PAIRED ? x[2 * st + 1] : x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
+#pragma unroll
+                for (int mf = 0; mf < S::MF; ++mf) {
+                    const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1],
+                                            a[mf][1][2 * st + 1]};
+                    mma_16x8(acc[mf][nf], af, b0, b1);
+                }
             }
-            if (W_GROUP_SCALED && prow >= 0)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wscale_ptr<M>(scales, prow, min(kt * 4, KDIM / W_VEC - 1))));
-        };
+        }
+    };
+    for (int f = warp; f < min(AHEAD, fills); f += WARPS) load(f);
+    int done = 0;  // fills computed
+#pragma unroll 1
+    for (int n = 0; n < items; ++n) {
+        const Work it = work_item((int)blockIdx.x + n * (int)gridDim.x, nt, tile_span, counts);
         // The group scales (and zero points) of the thread's rows, one stage ahead in registers;
         // a half last stage's missing vectors take the row's last scale (their codes meet zeros).
         long srow[S::MF][2];
@@ -317,9 +378,6 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
             for (int h = 0; h < 2; ++h) srow[mf][h] = wrow(it, row0 + 16 * mf + g + 8 * h);
-        struct Scales {
-            WScale s[S::MF][2];
-        };
         auto scales_at = [&](int kt) {
             Scales r;
             const int vec = min(kt * 4 + c, KDIM / W_VEC - 1);
@@ -338,66 +396,20 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             for (int nf = 0; nf < S::NF; ++nf)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mf][nf][i] = 0.f;
-        auto compute = [&](int stage, const Scales& ws) {
-            const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
-            // A: the thread's vector of each of its rows, decoded; slot pair q of row h.
-            unsigned a[S::MF][2][NWORDS];
-            // One branch per warp and stage (not per word) for the rare scales past one multiply.
-            bool big = false;
-            if constexpr (WQ_BIG_SCALES) {
-#pragma unroll
-                for (int mf = 0; mf < S::MF; ++mf)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) big |= wq_big(group_scale(ws.s[mf][h], 0));
-            }
-            if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
-            else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
-            // B: the same W_VEC activations of each live token, paired as the slots are.
-#pragma unroll
-            for (int nf = 0; nf < S::NF; ++nf) {
-                if (nf >= live) break;
-                const int r = tok0 + 8 * nf + g;
-                unsigned x[W_VEC / 2];
-#pragma unroll
-                for (int i = 0; i < W_VEC / 8; ++i) {
-                    const uint4 v = wq_lds128(sx + r * WQ_X_ROW + (wq_x_chunk(r, (W_VEC / 8) * c + i) << 4));
-                    x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
-                }
-#pragma unroll
-                for (int st = 0; st < NWORDS / 2; ++st) {
-                    const unsigned b0 = X_PAIRED ? x[2 * st] : x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
-                    const unsigned b1 = X_PAIRED ? x[2 * st + 1] : x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
-#pragma unroll
-                    for (int mf = 0; mf < S::MF; ++mf) {
-                        const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1],
-                                                a[mf][1][2 * st + 1]};
-                        mma_16x8(acc[mf][nf], af, b0, b1);
-                    }
-                }
-            }
-        };
-#pragma unroll
-        for (int s = 0; s < AHEAD; ++s) {
-            if (s < KT) load(s, s);
-            cp_async_commit();
-        }
         Scales cur = scales_at(0), nxt = scales_at(min(1, KT - 1));
-        int stage = 0, fill = AHEAD;  // the stage computed and the one refilled
 #pragma unroll 1
-        for (int kt = 0; kt < KT; ++kt) {
-            cp_async_wait<AHEAD - 1>();
-            __syncthreads();  // stage kt landed; the one computed at kt - 1 is free
-            if (kt + AHEAD < KT) load(fill, kt + AHEAD);
-            cp_async_commit();
+        for (int kt = 0; kt < KT; ++kt, ++done) {
+            const int f = done + AHEAD;
+            if (f < fills && f % WARPS == warp) load(f);
             const Scales later = scales_at(min(kt + 2, KT - 1));
-            if (busy) compute(stage, cur);
+            const int stage = done % STAGES;
+            mbar_wait(bars + 8 * stage, (done / STAGES) & 1);
+            if (busy) compute(stage, cur, acc, live);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));
             cur = nxt;
             nxt = later;
-            stage = stage + 1 == STAGES ? 0 : stage + 1;
-            fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
-        cp_async_wait<0>();
-        __syncthreads();  // the next item's prologue overwrites these stages
         if (busy) epi(it, acc, row0, tok0);
     }
 }

@@ -673,6 +673,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 }
 {%- if let Some(fmt) = fmt %}
 #else
+{% include "mbarrier.cuh" %}
 {% include "gemm_wq.cuh" %}
 {%- else %}
 #else
