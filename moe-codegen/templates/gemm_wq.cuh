@@ -15,7 +15,8 @@
 //
 // Warps: WM along the weight rows (MF fragments of 16 each), WN along the tile's tokens (NF
 // fragments of 8). A fragment of tokens past the tile's live rows is skipped, and so is a warp
-// with none.
+// with none. Every token fragment sums K in the same order: the aligner places a tile's pairs in
+// any order, and a pair's result must not depend on its row (a captured step replays bit for bit).
 constexpr int WQ_BITS = 128 / W_VEC;         // bits per code (W_VEC codes per 16 bytes)
 constexpr int WQ_CPW = 32 / WQ_BITS;         // codes per 32-bit word
 constexpr int WQ_PAIRS = WQ_CPW / 2;         // act_t pairs a word decodes to
@@ -31,6 +32,16 @@ static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
 // (at most 448 times 2^110) never do.
 constexpr bool WQ_BIG_SCALES = WQ_BF16 && {{ fmt.codec == "e2m1" && fmt.scales != "nvfp4" }};
 __device__ __forceinline__ bool wq_big(float s) { return !(s * __int_as_float(0x7e800000) < 1.6e38f); }
+// Per-channel asymmetric int4 (one fp16 scale and zero point per row): the scale is applied to
+// the row's sums in the epilogue, in fp32, so that n - z reaches the tensor cores exact rather
+// than each weight's (n - z) s being rounded to bf16 (which cost about 1.5e-3 of rel L2).
+constexpr bool WQ_SCALE_IN_EPILOGUE = {{ fmt.scales == "f16_zero" && fmt.group == 0 }};
+// The scale the epilogue multiplies row `row`'s sums by.
+template <class M>
+__device__ __forceinline__ float wq_row_scale(const void* scales, long row) {
+    if constexpr (WQ_SCALE_IN_EPILOGUE) return group_scale(load_wscale<M>(scales, row, 0), 0) * WQ_UNIT;
+    else return row_scale<M>(scales, row) * WQ_UNIT;
+}
 // Where GEMM1 stores, and GEMM2 finds, intermediate column n: permuted within each word's worth
 // of codes so that a thread's W_VEC activations read back in its fragment slots' order (slot pair
 // q in word q: GEMM2 builds its B fragments without byte permutes).
@@ -140,7 +151,8 @@ __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         unsigned v = act2_sub(and_or<0x000f000fu, magic>(w >> (4 * p)), off);
-        if constexpr (W_GROUP_SCALED) v = WQ_BF16 ? act2_fma(v, s_hi, act2_mul(v, s_lo)) : act2_mul(v, s_hi);
+        if constexpr (W_GROUP_SCALED && !WQ_SCALE_IN_EPILOGUE)
+            v = WQ_BF16 ? act2_fma(v, s_hi, act2_mul(v, s_lo)) : act2_mul(v, s_hi);
         out[p] = v;
     }
 {%- else if fmt.codec == "int8" %}
@@ -438,7 +450,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         for (int mf = 0; mf < S::MF; ++mf) {
             const int neuron = it.nblk * (BN1 / 2) + (row0 / 16 + mf) * 8 + lane / 4;
             const long gr = (long)it.e * 2 * INTER + neuron;
-            const float sg = row_scale<W13M>(w13_scales, gr) * WQ_UNIT, su = row_scale<W13M>(w13_scales, gr + INTER) * WQ_UNIT;
+            const float sg = wq_row_scale<W13M>(w13_scales, gr), su = wq_row_scale<W13M>(w13_scales, gr + INTER);
             const float bg = HAS_BIAS ? w13_bias[gr] : 0.f, bu = HAS_BIAS ? w13_bias[gr + INTER] : 0.f;
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf)
@@ -480,7 +492,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         for (int mf = 0; mf < S::MF; ++mf) {
             const int n = it.nblk * BN2 + row0 + 16 * mf + 2 * (lane / 4);
             const long gr = (long)it.e * HIDDEN + n;
-            const float s0 = row_scale<W2M>(w2_scales, gr) * WQ_UNIT, s1 = row_scale<W2M>(w2_scales, gr + 1) * WQ_UNIT;
+            const float s0 = wq_row_scale<W2M>(w2_scales, gr), s1 = wq_row_scale<W2M>(w2_scales, gr + 1);
 #pragma unroll
             for (int nf = 0; nf < S::NF; ++nf)
 #pragma unroll

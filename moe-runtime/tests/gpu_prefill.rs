@@ -453,7 +453,16 @@ fn quantized_per_codec_edges_and_graph_replay() {
         for _ in 0..2 {
             graph.launch().unwrap();
             let got = down(&layer, &y2);
-            assert!(got.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits()), "{format}: replay differs");
+            let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i].to_bits() != eager[i].to_bits()).collect();
+            assert!(
+                differ.is_empty(),
+                "{format}: replay differs in {} of {} outputs, first at {} ({} against {})",
+                differ.len(),
+                got.len(),
+                differ[0],
+                got[differ[0]],
+                eager[differ[0]]
+            );
         }
         layer.take_routing_errors().unwrap();
     }
