@@ -295,6 +295,9 @@ struct GroupedGemmCu {
     tail: u32,
     mid_fp8: bool,
     x_per_row: bool,
+    /// Weights decoded in registers: the codes per 32-bit word (8 or 4) within which x and the
+    /// intermediate are stored paired (`x_pair_col`), else 0.
+    x_pair_group: u32,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -538,6 +541,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         tail: ext,
         mid_fp8: tiles.quantizes_mid(spec),
         x_per_row: x_per_token(spec),
+        x_pair_group: wq_bits(spec).map_or(0, |b| 32 / b),
         elem_bytes,
         wscale,
         mma_type,

@@ -10,8 +10,9 @@
 //
 // The sum over K does not care in which order the MMA visits it, so the fragment slots a thread
 // fills follow the codes' order in the packed word (pair p of a word: codes p and p + WQ_PAIRS),
-// and the thread builds its B fragments from the same W_VEC activations (one byte permute per
-// register). That keeps the weights' documented layout: no repacking at load.
+// and the activations are stored in the same order (x_pair_col: moe_prepare copies x so, GEMM1
+// writes the intermediate so), so a thread's W_VEC activations load straight into its B
+// fragments. That keeps the weights' documented layout: no repacking at load.
 //
 // Warps: WM along the weight rows (MF fragments of 16 each), WN along the tile's tokens (NF
 // fragments of 8). A fragment of tokens past the tile's live rows is skipped, and so is a warp
@@ -42,13 +43,7 @@ __device__ __forceinline__ float wq_row_scale(const void* scales, long row) {
     if constexpr (WQ_SCALE_IN_EPILOGUE) return group_scale(load_wscale<M>(scales, row, 0), 0) * WQ_UNIT;
     else return row_scale<M>(scales, row) * WQ_UNIT;
 }
-// Where GEMM1 stores, and GEMM2 finds, intermediate column n: permuted within each word's worth
-// of codes so that a thread's W_VEC activations read back in its fragment slots' order (slot pair
-// q in word q: GEMM2 builds its B fragments without byte permutes).
-__device__ __forceinline__ int wq_mid_col(int n) {
-    const int e = n % WQ_CPW;
-    return n - e + 2 * (e % WQ_PAIRS) + e / WQ_PAIRS;
-}
+static_assert(X_PAIR_GROUP == WQ_CPW, "x and mid paired as the codes of a word (x_pair_col)");
 // A reduction of K codes takes ceil(K / WQ_SUB) stages; 4-bit K may end in half a subtile
 // (gpt-oss's 2880 = 22.5 x 128), whose missing half is zero-filled.
 static_assert(HIDDEN % 64 == 0 && INTER % 64 == 0, "whole half subtiles");
@@ -251,16 +246,6 @@ __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, con
         }
 }
 
-// The element of a thread's W_VEC codes that fragment slot pair q, half hi, holds.
-__device__ __forceinline__ constexpr int wq_elem(int q, int hi) {
-    return (q / WQ_PAIRS) * WQ_CPW + q % WQ_PAIRS + WQ_PAIRS * hi;
-}
-// Activations ea (low half) and eb (high half) of the thread's W_VEC (W_VEC / 2 words).
-__device__ __forceinline__ unsigned x_pair(const unsigned (&x)[W_VEC / 2], int ea, int eb) {
-    if (ea / 2 == eb / 2 && ea % 2 == 0 && eb % 2 == 1) return x[ea / 2];
-    return __byte_perm(x[ea / 2], x[eb / 2], (ea % 2 ? 0x32u : 0x10u) | ((eb % 2 ? 0x76u : 0x54u) << 8));
-}
-
 // The mainloop and epilogue call of one GEMM over its work items (grid-stride). wrow(it, R): the
 // global weight row of the item's stage row R; xrow(it, r): token row r (< it.rows) of the tile;
 // epi(it, acc, row0, tok0): acc[mf][nf][i] of this thread, fragment rows row0 + 16 mf, tokens
@@ -272,8 +257,7 @@ __device__ __forceinline__ unsigned x_pair(const unsigned (&x)[W_VEC / 2], int e
 // its empty barrier after the fill that used the stage before. So the copies' bookkeeping is
 // spread over the warps, one in eight stages each; no warp waits for the others except for a
 // stage they have yet to release, and an item's first stages load under the last one's epilogue.
-// X_PAIRED: the activations are stored with wq_mid_col's permutation (GEMM2 reading mid).
-template <int BN, int KDIM, class M, bool X_PAIRED, class WRow, class XRow, class Epi>
+template <int BN, int KDIM, class M, class WRow, class XRow, class Epi>
 __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
                                         const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
                                         const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
@@ -354,7 +338,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         }
         if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
         else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
-        // B: the same W_VEC activations of each live token, paired as the slots are.
+        // B: the same W_VEC activations of each live token, stored paired as the slots are.
 #pragma unroll
         for (int nf = 0; nf < S::NF; ++nf) {
             if (nf >= live) break;
@@ -367,8 +351,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             }
 #pragma unroll
             for (int st = 0; st < NWORDS / 2; ++st) {
-                const unsigned b0 = X_PAIRED ? x[2 * st] : x_pair(x, wq_elem(2 * st, 0), wq_elem(2 * st, 1));
-                const unsigned b1 = X_PAIRED ? x[2 * st + 1] : x_pair(x, wq_elem(2 * st + 1, 0), wq_elem(2 * st + 1, 1));
+                const unsigned b0 = x[2 * st], b1 = x[2 * st + 1];
 #pragma unroll
                 for (int mf = 0; mf < S::MF; ++mf) {
                     const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1],
@@ -459,11 +442,11 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                     const int t = tok0 + 8 * nf + 2 * (lane % 4) + j;
                     if (t >= it.rows) continue;
                     const float v = moe_glu(acc[mf][nf][j] * sg + bg, acc[mf][nf][2 + j] * su + bu);
-                    mid[(long)(it.tile * BM + t) * INTER + wq_mid_col(neuron)] = (act_t)v;
+                    mid[(long)(it.tile * BM + t) * INTER + x_pair_col(neuron)] = (act_t)v;
                 }
         }
     };
-    wq_gemm<BN1, HIDDEN, W13M, false>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
+    wq_gemm<BN1, HIDDEN, W13M>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
                                xrow, epi);
 }
 #endif  // entry moe_gemm1
@@ -505,6 +488,6 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                 }
         }
     };
-    wq_gemm<BN2, INTER, W2M, true>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
+    wq_gemm<BN2, INTER, W2M>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
                              epi);
 }

@@ -39,6 +39,27 @@ constexpr bool MID_FP8 = {{ mid_fp8 }};
 // the MMAs' accumulator and scales the sums once, in its epilogue (no per-k-tile promotion).
 constexpr bool X_PER_ROW = {{ x_per_row }};
 static_assert(!X_PER_ROW || (FP8 && WSCALE == 1), "per-token activation scales go with per-channel weights");
+// Weights decoded in registers (gemm_wq.cuh) pair each 32-bit word's codes p and p + G / 2: GEMM1
+// reads x, and GEMM2 the intermediate, stored in that order within each G columns (moe_prepare
+// copies x so), so that a thread's activations load straight into its B fragments.
+constexpr int X_PAIR_GROUP = {{ x_pair_group }};  // G, or 0: x as given
+constexpr bool X_PAIRED = X_PAIR_GROUP > 0;
+static_assert(!X_PAIRED || (HIDDEN % 8 == 0 && 8 % X_PAIR_GROUP == 0), "whole groups per 16-byte chunk of x");
+// Where column n is stored in a paired row.
+__device__ __forceinline__ int x_pair_col(int n) {
+    constexpr int G = X_PAIRED ? X_PAIR_GROUP : 2;  // (G = 2 leaves n in place)
+    const int e = n % G;
+    return n - e + 2 * (e % (G / 2)) + e / (G / 2);
+}
+// Eight 16-bit columns (a 16-byte chunk, whole groups) in paired order.
+__device__ __forceinline__ uint4 x_pair_chunk(uint4 v) {
+    if constexpr (X_PAIR_GROUP == 8)  // (0, 4), (1, 5), (2, 6), (3, 7)
+        return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
+                          __byte_perm(v.y, v.w, 0x7632));
+    else  // groups of 4: (0, 2), (1, 3)
+        return make_uint4(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410),
+                          __byte_perm(v.z, v.w, 0x7632));
+}
 static_assert(!MID_FP8 || (FP8 && MOE_WS && BN1 == 256), "a whole 128-column block per GEMM1 tile");
 constexpr int NT1 = INTER / (BN1 / 2);
 constexpr int NT2 = HIDDEN / BN2;

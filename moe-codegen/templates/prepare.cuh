@@ -1,7 +1,7 @@
 // The step's front in one cooperative launch (every block resident), with one grid barrier:
 //   1. a warp per token: its choices (routed here when logits are given, else the ids given),
 //      each pair's rank among the block's pairs of its expert (a shared-memory atomic) and, for
-//      fp8, x's row in e4m3; then each block reserves its pairs' rows within each expert's with
+//      fp8, x's row in e4m3 (weights decoded in registers: x's row paired); then each block reserves its pairs' rows within each expert's with
 //      one global atomic per expert, whose old value is the block's offset there;
 //   2. after the barrier every block builds the tiles' layout from the totals (align.cuh), writes
 //      its share of the tile map and padding, and each pair takes row first_row(expert) + the
@@ -15,6 +15,7 @@
 //   pair_pos  also holds each pair's rank across the barrier (read back by the thread that wrote it)
 //   xs_token  fp8: x's scales by token (quant_token); X_PER_ROW: each then copied to the rows of
 //             the token's pairs (xs_row), where GEMM1 reads it
+//   xq        fp8: x in e4m3; X_PAIRED: x in act_t, paired (x_pair_col)
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
 static_assert(PREPARE_WARPS * EXPERTS * sizeof(float) == HOST_PREPARE_SMEM, "each warp's scores (prepare_smem_bytes)");
 
@@ -49,7 +50,7 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     int bad = 0;
     for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
         // x's row heads for L2 while the router works (its loads then wait on L2, not DRAM).
-        if (FP8 && lane == 0)
+        if ((FP8 || X_PAIRED) && lane == 0)
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + (long)t * HIDDEN),
                          "r"((int)(HIDDEN * sizeof(act_t)))
                          : "memory");
@@ -62,6 +63,13 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
             bad += !ok;
         }
         if constexpr (FP8) quant_token(x, t, xq, xs_token);
+        if constexpr (X_PAIRED) {
+            // x's row in GEMM1's paired order (x_pair_col), into xq (act_t).
+            const uint4* src = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
+            uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<act_t*>(xq) + (long)t * HIDDEN);
+#pragma unroll 4
+            for (int c = lane; c < HIDDEN / 8; c += 32) dst[c] = x_pair_chunk(src[c]);
+        }
         __syncwarp();  // the next token's scores overwrite this one's
     }
     if (bad) atomicAdd(errors, bad);

@@ -126,8 +126,12 @@ fn tolerance(spec: &MoeSpec, family: KernelFamily) -> (f64, f64) {
         // 5.2e-3 on one token; fp16 activations 5e-4).
         _ if moe_codegen::grouped::decodes_weights(spec) && spec.act_dtype() == ActDtype::Bf16 => (7e-3, 0.99997),
         _ if moe_codegen::grouped::decodes_weights(spec) => (5e-3, 0.9999),
-        (_, WeightFormat::Fp8E4m3) => (2.5e-2, 0.9995),
-        (_, WeightFormat::Fp8E4m3B128) => (1.5e-2, 0.9999),
+        // e4m3 activations: an intermediate value that lands on the other side of an e4m3
+        // rounding step than the reference's moves by up to 12.5%; with one token on the small
+        // geometries (a few hundred outputs) a handful of them reached 1.58e-2 with 128 x 128
+        // blocks (H100), so both fp8 layouts take per-channel's bound. A wrong tile or scale gives
+        // errors near 1.
+        (_, WeightFormat::Fp8E4m3 | WeightFormat::Fp8E4m3B128) => (2.5e-2, 0.9995),
         _ => (5e-3, 0.9999),
     }
 }

@@ -97,6 +97,9 @@ pub(crate) struct GroupedPath {
     fp8: bool,
     /// x takes one scale per token, stored per sorted row (`moe_codegen::grouped::x_per_token`).
     x_per_token: bool,
+    /// Weights decoded in registers: GEMM1 reads x as moe_prepare copies it into `xq`, paired
+    /// (the template's `x_pair_col`).
+    x_paired: bool,
     /// GEMM1 writes the intermediate in e4m3 itself (`GemmTiles::quantizes_mid`).
     mid_in_gemm1: bool,
     /// GEMM1's extended rows (`GemmTiles::extended_rows`) and its dynamic shared memory.
@@ -177,6 +180,7 @@ impl GroupedPath {
             fns,
             fp8,
             x_per_token: x_per_token(spec),
+            x_paired: moe_codegen::grouped::decodes_weights(spec),
             mid_in_gemm1: tiles.quantizes_mid(spec),
             ext_rows: tiles.extended_rows(spec),
             gemm1_smem,
@@ -219,7 +223,8 @@ impl GroupedPath {
             num_tiles: stream.alloc_zeros(4)?,
             work_counters: stream.alloc_zeros(COUNTS_AT + spec.experts() as usize)?,
             mid: stream.alloc_zeros(if self.mid_in_gemm1 { 1 } else { rows * i * 2 })?,
-            xq: stream.alloc_zeros(q(tokens * h))?,
+            // e4m3 x, or (weights decoded in registers) x paired for GEMM1, two bytes a value.
+            xq: stream.alloc_zeros(if self.x_paired { tokens * h * 2 } else { q(tokens * h) })?,
             xs_token: stream.alloc_zeros(q(if self.x_per_token { tokens } else { tokens * h / 128 }))?,
             xs_row: stream.alloc_zeros(if self.x_per_token { rows } else { 1 })?,
             midq: stream.alloc_zeros(q(rows * i))?,
@@ -314,9 +319,10 @@ impl GroupedPath {
             self.fns.prepare.launch_with(stream, dims, cooperative_attrs(), prepare)?;
         }
         let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
-        // GEMM1's A operand: x itself, or its e4m3 copy with its scales (by sorted row with
-        // per-token scales).
+        // GEMM1's A operand: x itself, its paired copy (weights decoded in registers), or its e4m3
+        // copy with its scales (by sorted row with per-token scales).
         let (a1, a1s) = match (self.fp8, self.x_per_token) {
+            (false, _) if self.x_paired => (xq, 0u64),
             (false, _) => (p.x, 0u64),
             (true, false) => (xq, xs_token),
             (true, true) => (xq, xs_row),
