@@ -734,12 +734,25 @@ mod tests {
                 }
             }
         }
-        // 4-bit stages carry 128 codes (64 bytes) of each weight row and 256 bytes of each token row.
+        // 4-bit stages carry 128 codes (64 bytes) of each weight row and 256 bytes of each token
+        // row, and two 8-byte mbarriers.
         let s = spec(2048, 768, 128, 8, WeightFormat::Mxfp4);
         let t = GemmTiles::for_spec(&s, Arch::Sm90a);
-        assert_eq!(t.gemm1_smem_bytes(&s), t.stages * (128 * 64 + 64 * 256) + 128);
-        // Other token tiles than 64 and 128 are refused.
-        assert!(GemmTiles { bm: 32, ..t }.check(&s, Arch::Sm90a).is_err());
+        assert_eq!(t.gemm1_smem_bytes(&s), t.stages * (128 * 64 + 64 * 256 + 16) + 128);
+        // 16- and 32-token tiles where the 256 threads share a stage's token chunks evenly (4-bit:
+        // 16 chunks a row; 8-bit: 8), nothing else; up to 4 blocks per SM.
+        for (bm, ok) in [(16, true), (32, true), (48, false), (96, false)] {
+            assert_eq!(GemmTiles { bm, ..t }.check(&s, Arch::Sm90a).is_ok(), ok, "bm {bm}");
+        }
+        let s8 = spec(2048, 768, 128, 8, WeightFormat::Int8);
+        let t8 = GemmTiles::for_spec(&s8, Arch::Sm90a);
+        assert!(GemmTiles { bm: 16, ..t8 }.check(&s8, Arch::Sm90a).is_err());
+        assert!(GemmTiles { bm: 32, ..t8 }.check(&s8, Arch::Sm90a).is_ok());
+        assert!(GemmTiles { blocks_per_sm: 4, ..t }.check(&s, Arch::Sm90a).is_ok());
+        assert!(GemmTiles { blocks_per_sm: 5, ..t }.check(&s, Arch::Sm90a).is_err());
+        // The tiles' text form takes the token rows last.
+        assert_eq!(t.parse("128,128,6,3,bm16"), Some(GemmTiles { bm: 16, stages: 6, blocks_per_sm: 3, ..t }));
+        assert_eq!(t.parse("128,128,6,3,bmx"), None);
     }
 
     #[test]
