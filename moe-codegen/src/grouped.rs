@@ -356,11 +356,9 @@ impl GemmTiles {
         }
         let inflight = (tiles.mma == Mma::Wgmma && unscaled) as u32;
         let wq = decodes_weights(spec);
-        // The mixed-input GEMMs (gemm_wq.cuh) take 64-, 32- and 16-row token tiles too, as long
-        // as the 256 threads copy a stage's activations (bm rows of 64 / bits chunks of 16 bytes)
-        // in equal shares, and up to 4 blocks per SM.
-        let bm_ok = tiles.bm == 128
-            || (wq && matches!(tiles.bm, 16 | 32 | 64) && tiles.bm * 64 / spec.weight_format().elem_bits() % 256 == 0);
+        // The mixed-input GEMMs (gemm_wq.cuh) take 64-, 32- and 16-row token tiles too (whole
+        // token fragments of 8 per warp), and up to 4 blocks per SM.
+        let bm_ok = tiles.bm == 128 || (wq && matches!(tiles.bm, 16 | 32 | 64));
         let least = if wq { 2 } else { 2 + inflight };
         let most = 16;
         let most_blocks = if wq { 4 } else { 2 };
@@ -412,7 +410,7 @@ impl GemmTiles {
     /// ([`GemmTiles::for_spec`]) is one of them.
     pub fn space(spec: &MoeSpec, arch: Arch) -> Vec<GemmTiles> {
         let mut out = Vec::new();
-        for (mma, bm) in [Mma::MmaSync, Mma::Wgmma].into_iter().flat_map(|m| [128, 64].map(|b| (m, b))) {
+        for (mma, bm) in [Mma::MmaSync, Mma::Wgmma].into_iter().flat_map(|m| [128, 64, 32, 16].map(|b| (m, b))) {
             for warp_specialized in [false, true] {
                 for (bn1, bn2) in [64, 128, 256].into_iter().flat_map(|a| [64, 128, 256].map(|b| (a, b))) {
                     for stages in 2..=8 {
@@ -739,15 +737,13 @@ mod tests {
         let s = spec(2048, 768, 128, 8, WeightFormat::Mxfp4);
         let t = GemmTiles::for_spec(&s, Arch::Sm90a);
         assert_eq!(t.gemm1_smem_bytes(&s), t.stages * (128 * 64 + 64 * 256 + 16) + 128);
-        // 16- and 32-token tiles where the 256 threads share a stage's token chunks evenly (4-bit:
-        // 16 chunks a row; 8-bit: 8), nothing else; up to 4 blocks per SM.
+        // 16- and 32-token tiles as options, nothing else; up to 4 blocks per SM.
         for (bm, ok) in [(16, true), (32, true), (48, false), (96, false)] {
             assert_eq!(GemmTiles { bm, ..t }.check(&s, Arch::Sm90a).is_ok(), ok, "bm {bm}");
         }
-        let s8 = spec(2048, 768, 128, 8, WeightFormat::Int8);
-        let t8 = GemmTiles::for_spec(&s8, Arch::Sm90a);
-        assert!(GemmTiles { bm: 16, ..t8 }.check(&s8, Arch::Sm90a).is_err());
-        assert!(GemmTiles { bm: 32, ..t8 }.check(&s8, Arch::Sm90a).is_ok());
+        assert!(GemmTiles::space(&s, Arch::Sm90a).iter().any(|t| t.bm == 16));
+        let b = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        assert!(GemmTiles { bm: 16, ..GemmTiles::for_spec(&b, Arch::Sm90a) }.check(&b, Arch::Sm90a).is_err());
         assert!(GemmTiles { blocks_per_sm: 4, ..t }.check(&s, Arch::Sm90a).is_ok());
         assert!(GemmTiles { blocks_per_sm: 5, ..t }.check(&s, Arch::Sm90a).is_err());
         // The tiles' text form takes the token rows last.

@@ -29,7 +29,7 @@ constexpr bool WQ_BF16 = {{ act_bf16 }};     // the MMAs' type is the activation
 constexpr float WQ_UNIT = WQ_BF16 && {{ fmt.scales == "nvfp4" }} ? 65536.0f : 1.0f;
 static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
 // bf16 e2m1 with e8m0 scales: a scale of 2 or more leaves the decode's one multiply (s 2^126)
-// past bf16's range, and such a warp's stage takes two (wq_decode<true>). NVFP4's e4m3 scales
+// past bf16's range, and such a warp's stage takes two (wq_decode_stage<true>). NVFP4's e4m3 scales
 // (at most 448 times 2^110) never do.
 constexpr bool WQ_BIG_SCALES = WQ_BF16 && {{ fmt.codec == "e2m1" && fmt.scales != "nvfp4" }};
 __device__ __forceinline__ bool wq_big(float s) { return !(s * __int_as_float(0x7e800000) < 1.6e38f); }
@@ -60,7 +60,6 @@ struct WqShape {
     static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
     // + alignment slack, then each stage's full and empty mbarriers
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128 + 16 * STAGES;
-    static_assert(BM * (WQ_X_ROW / 16) % GEMM_THREADS == 0, "whole token chunks per thread");
     static_assert(BN * 4 % 32 == 0, "whole weight chunks per lane");
 };
 // Where 16-byte chunk j of token row n lies in its stage row: swizzled so that the threads of one

@@ -468,6 +468,37 @@ fn quantized_per_codec_edges_and_graph_replay() {
     }
 }
 
+/// The mixed-input GEMMs' tile options that are not defaults (16- and 32-token tiles, three and
+/// four blocks per SM) against the reference, for one format per code width and per scale
+/// kind, on a geometry with 128-row GEMM2 tiles and one with 64 (two warps along the tokens).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decoded_tile_options_match_reference() {
+    use WeightFormat::*;
+    let dev = gpu();
+    for (h, i) in [(1024, 512), (320, 192)] {
+        for format in [Mxfp4, Int8, Int4AsymG32] {
+            let spec = MoeSpec::builder(h, i, 16, 4).weight_format(format).build().unwrap();
+            let w = random_weights(&spec, fresh_seed());
+            let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+            layer.set_validate_routing(true);
+            let defaults = layer.grouped_tiles().unwrap();
+            for option in ["128,128,6,3,bm16", "128,128,4,4,bm16", "128,128,5,2,bm32"] {
+                let tiles = defaults.parse(option).unwrap();
+                let tiles = moe_codegen::GemmTiles { bn2: defaults.bn2, ..tiles };
+                layer.set_grouped_tiles(&dev, tiles).unwrap();
+                for (m, skew) in [(33, 0.0), (300, 0.85)] {
+                    let seed = fresh_seed();
+                    let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed);
+                    println!("{format:<14} h={h} {option:<18} m={m:<4} skew={skew:<4} rel_l2={rel:.3e} cos={cos:.8}");
+                    let (tol, min_cos) = tolerance(&spec);
+                    assert!(rel <= tol && cos >= min_cos, "{format} h={h} {option} m={m}: rel {rel:.3e} cos {cos:.8}");
+                }
+            }
+        }
+    }
+}
+
 /// MXFP4 scales of 2 and more, past the decode's one multiply into bf16 (`WQ_BIG_SCALES` in
 /// gemm_wq.cuh): every 97th e8m0 scale of both matrices raised 256-fold, so that about half of
 /// the warps' stages (64 scales each) take the two-multiply decode and the others not, against
