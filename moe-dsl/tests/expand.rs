@@ -149,8 +149,8 @@ fn families_default_to_those_the_spec_supports() {
     assert_eq!(Qwen3Moe::FAMILIES, &both);
     assert_eq!(Olmoe::FAMILIES, &both, "per-channel fp8 has the grouped family");
     assert_eq!(Fp8WeightsFp16Acts::FAMILIES, &both);
-    // 2880 one-byte elements are not whole 128-byte k-tiles.
-    assert_eq!(GptOss::FAMILIES, &[KernelFamily::WarpDecode]);
+    // 2880 one-byte elements are not whole 128-byte k-tiles: the grouped GEMMs decode them in registers.
+    assert_eq!(GptOss::FAMILIES, &both, "per-channel fp8 at 2880 has the grouped family");
     assert_eq!(Qwen3Int4::FAMILIES, &both, "the grouped loader decodes int4");
     assert_eq!(Qwen3Awq::FAMILIES, &[KernelFamily::WarpDecode], "the lut variant's table: warp decode only");
     assert_eq!(GptOssMxfp4::FAMILIES, &both);
