@@ -72,10 +72,7 @@ fn loaded_checkpoints_run_on_the_gpu() {
             let (want, _) = m.reference(&x);
             let rel = rel_l2(&got, &want);
             println!("{kind:?} {} shared {shared} m={tokens_m} {family}: rel_l2 {rel:.2e}", l.spec.weight_format());
-            let fp8 = matches!(
-                l.spec.weight_format(),
-                moe_codegen::WeightFormat::Fp8E4m3 | moe_codegen::WeightFormat::Fp8E4m3B128
-            );
+            let fp8 = moe_codegen::grouped::quantizes_activations(&l.spec);
             if family == KernelFamily::GroupedGemm && fp8 {
                 // The fp8 GEMMs take x and the intermediate in e4m3 (3 mantissa bits: a few
                 // percent from the exact formula): check against the reference that quantizes
