@@ -372,7 +372,7 @@ fn main() {
                         let dl = s.clone_htod(&logits).unwrap();
                         let mut y: CudaSlice<Bf> = s.alloc_zeros(m * h as usize).unwrap();
                         layer.reserve(m).unwrap();
-                        assert_eq!(layer.family_for(m), family);
+                        assert_eq!(layer.family_for(m), Some(family));
                         let g = capture(&s, || layer.forward_logits(&dx, &dl, &mut y)).unwrap();
                         let reps = if m >= 4096 { 20 } else { 50 };
                         let us = time_graph(&s, &g, reps).unwrap();

@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "{} M = {m} ({}) through the engine's graph: rel L2 {rel:.3e}, cosine {cos:.8}",
         spec.id(),
-        layer.family_for(m)
+        layer.last_choice()?.family
     );
     if !(rel <= 5e-3 && cos >= 0.9999) {
         return Err("outside the tolerance (rel L2 <= 5e-3, cosine >= 0.9999)".into());

@@ -15,7 +15,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["NAME"]:
         print(m["executable"])'
 }
-for t in ${TESTS:-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_ep}; do
+for t in ${TESTS:-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_ep gpu_dispatch}; do
   cp "$(bin $t test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
 done
 # Tests of the facade crate (the macro's paths are ::moeforge::...).
@@ -33,6 +33,7 @@ cp "$(bin ep_ranks build --release --example ep_ranks | tail -1)" gpu-bundle/ep_
 [ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
+cp "$(bin dispatch bench --bench dispatch --no-run | tail -1)" gpu-bundle/dispatch
 cp "$(bin ep bench --bench ep --no-run | tail -1)" gpu-bundle/ep
 cp "$(bin qwen3_decode build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
 cargo build --release -q -p moe-jit && cp target/release/moe-jit gpu-bundle/

@@ -64,7 +64,7 @@ fn macro_layer_loads_the_embedded_sources_and_renders_nothing() {
         assert!(rel < 1e-2 && cos > 0.9999, "{family} m={m}: rel_l2 {rel:.3e}, cos {cos:.8} (seed {step_seed})");
     }
     // `forward` at M = 1 picks warp decode, the family that step ran through above.
-    assert_eq!(layer.family_for(1), KernelFamily::WarpDecode);
+    assert_eq!(layer.family_for(1), Some(KernelFamily::WarpDecode));
     assert_eq!(render_count(), before, "a step rendered a kernel at run time");
 }
 

@@ -136,9 +136,9 @@ fn on_gpu<T: ActElem>(
         return Err(format!("the GPU step does not match the reference (rel L2 {rel:.2e} > {MAX_REL_L2:.0e})").into());
     }
     // The family moe_runtime::dispatch picks for this step size, and the layer's latency.
-    let family = layer.family_for(m);
     let graph = capture(&s, || layer.forward_logits(&dx, &dl, &mut y))?;
     let us = time_graph(&s, &graph, 100)?;
+    let family = layer.last_choice()?.family;
     println!("layer, M = {m}: family {family}, {us:.2} us per step (router and shared experts included)");
     Ok(())
 }

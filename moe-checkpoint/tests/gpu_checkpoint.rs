@@ -39,7 +39,7 @@ fn step(dev: &Device, l: &LoadedLayer, x: &[f32]) -> (Vec<f32>, moe_codegen::Ker
     let mut y = s.alloc_zeros::<half::bf16>(m * h).unwrap();
     layer.forward_logits(&dx, &dl, &mut y).unwrap();
     let out: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
-    (out, layer.family_for(m), layer.last_routing(m).unwrap())
+    (out, layer.last_choice().unwrap().family, layer.last_routing(m).unwrap())
 }
 
 #[test]

@@ -111,6 +111,8 @@ pub fn x_per_token(spec: &MoeSpec) -> bool {
 
 /// Threads per block of the router (one warp per token).
 pub const ROUTE_THREADS: u32 = 128;
+/// Threads of `moe_choose` (one block; the template's `CHOOSE_THREADS`).
+pub const CHOOSE_THREADS: u32 = 256;
 /// Threads per block of `moe_prepare` (routing, alignment and x's quantization in one cooperative
 /// launch), a warp per token.
 pub const ALIGN_THREADS: u32 = 1024;
@@ -566,8 +568,9 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
 }
 
 /// The entry points of a grouped module, in this order (the runtime loads them by it): router,
-/// alignment, intermediate quantizer, GEMM1, GEMM2 (atomic and row-store), row combine, convert.
-pub const ENTRY_POINTS: [&str; 8] = [
+/// alignment, intermediate quantizer, GEMM1, GEMM2 (atomic and row-store), row combine, convert,
+/// and the dispatcher's family choice.
+pub const ENTRY_POINTS: [&str; 9] = [
     "moe_route",
     "moe_prepare",
     "moe_quant_mid",
@@ -576,6 +579,7 @@ pub const ENTRY_POINTS: [&str; 8] = [
     "moe_gemm2_rows",
     "moe_combine_rows",
     "moe_convert",
+    "moe_choose",
 ];
 
 /// [`ENTRY_POINTS`] as owned strings.

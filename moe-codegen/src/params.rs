@@ -134,6 +134,7 @@ kernel_params! {
         mid: u64 = "float* __restrict__",
         m: i32 = "int",
         err: u64 = "int* __restrict__",
+        choice: u64 = "const int* __restrict__",
     }
     /// `moe_gate_up_bulk`: the one-token gate_up, which also prefetches w2 into L2.
     GateUpBulkParams {
@@ -157,6 +158,7 @@ kernel_params! {
         w2_bias: u64 = "const float* __restrict__",
         y: u64 = "act_t* __restrict__",
         m: i32 = "int",
+        choice: u64 = "const int* __restrict__",
     }
     /// `moe_prepare`: route (from logits), align pairs into expert tiles, quantize x (fp8).
     PrepareParams {
@@ -178,6 +180,7 @@ kernel_params! {
         tile_span: u64 = "int4* __restrict__",
         tile_span1: u64 = "int4* __restrict__",
         num_tiles: u64 = "int* __restrict__",
+        choice: u64 = "const int* __restrict__",
     }
     /// `moe_quant_mid`: the intermediate to e4m3 with one f32 per 128 along K.
     QuantMidParams {
@@ -228,6 +231,7 @@ kernel_params! {
         w2_bias: u64 = "const float* __restrict__",
         m: i32 = "int",
         y: u64 = "act_t* __restrict__",
+        choice: u64 = "const int* __restrict__",
     }
     /// `moe_convert`: the atomic combine's f32 rows to y.
     ConvertParams {
@@ -237,6 +241,20 @@ kernel_params! {
         w2_bias: u64 = "const float* __restrict__",
         m: i32 = "int",
         y: u64 = "act_t* __restrict__",
+        choice: u64 = "const int* __restrict__",
+    }
+    /// `moe_choose`: the step's family from its live routing (the dispatcher's cost models, one
+    /// per family: microseconds as `c0 + cd * D + cp * P` for D distinct experts and P pairs).
+    ChooseParams {
+        topk_ids: u64 = "const int* __restrict__",
+        m: i32 = "int",
+        decode_c0: f32 = "float",
+        decode_cd: f32 = "float",
+        decode_cp: f32 = "float",
+        grouped_c0: f32 = "float",
+        grouped_cd: f32 = "float",
+        grouped_cp: f32 = "float",
+        out: u64 = "int* __restrict__",
     }
 }
 
@@ -320,6 +338,7 @@ pub fn grouped_decls() -> String {
         Gemm2Params::c_decl(),
         CombineRowsParams::c_decl(),
         ConvertParams::c_decl(),
+        ChooseParams::c_decl(),
     ]
     .concat()
 }
@@ -333,7 +352,7 @@ mod tests {
         let d = DownParams::c_decl();
         assert!(d.starts_with("struct DownParams {\n    const float* mid;\n"), "{d}");
         assert!(d.contains("    int m;\n};"), "{d}");
-        assert!(d.contains("static_assert(sizeof(DownParams) == 64,"), "{d}");
+        assert!(d.contains("static_assert(sizeof(DownParams) == 72,"), "{d}");
         assert!(
             d.contains("static_assert(sizeof(DownParams::m) == 4 && alignof(decltype(DownParams::m)) == 4,"),
             "{d}"

@@ -93,6 +93,13 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
+// The dispatcher (moe_choose) launches every candidate family of a step and writes which one runs;
+// the others' kernels return at once. `choice` is null where the host chose the family.
+constexpr int FAMILY_WARP_DECODE = 0, FAMILY_GROUPED = 1;
+__device__ __forceinline__ bool family_skipped(const int* choice, int family) {
+    return choice != nullptr && __ldcg(choice) != family;
+}
+
 // Eight 16-bit activations packed in a uint4, widened to fp32.
 __device__ __forceinline__ void widen8(const uint4 v, const __nv_bfloat16*, float (&a)[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

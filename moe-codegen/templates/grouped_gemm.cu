@@ -866,6 +866,7 @@ moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
     MOE_UNPACK_CombineRowsParams(params);
     static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
     pdl_wait();  // a programmatic dependent of GEMM2
+    if (family_skipped(choice, FAMILY_GROUPED)) return;
     const long n = (long)m * HIDDEN / 8;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long t = i / (HIDDEN / 8), c = 8 * (i % (HIDDEN / 8));
@@ -901,6 +902,7 @@ extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_convert(const __grid_constant__ ConvertParams params) {
     MOE_UNPACK_ConvertParams(params);
     pdl_wait();  // a programmatic dependent of GEMM2
+    if (family_skipped(choice, FAMILY_GROUPED)) return;
     const long n = (long)m * HIDDEN;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float v = y32[i];
@@ -916,3 +918,5 @@ moe_convert(const __grid_constant__ ConvertParams params) {
     }
 }
 #endif  // entry moe_convert
+
+{% include "choose.cuh" %}

@@ -43,6 +43,11 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
+    if (family_skipped(choice, FAMILY_GROUPED)) {
+        // No tiles: the GEMMs that follow find no work.
+        if (blockIdx.x == 0 && threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
+        return;
+    }
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS) block_pairs[e] = 0;
     __syncthreads();
     // 1. Each token's choices, their ranks in the block, and x.

@@ -733,6 +733,7 @@ __device__ __forceinline__ void stage_pairs(const int* __restrict__ topk_ids, co
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_down(const __grid_constant__ DownParams params) {
     MOE_UNPACK_DownParams(params);
+    if (family_skipped(choice, FAMILY_WARP_DECODE)) return;
     extern __shared__ int smem[];
     dequant_setup();
     // The ids and weights are the step's inputs: staging them overlaps the tail of gate_up.
@@ -753,6 +754,7 @@ moe_down(const __grid_constant__ DownParams params) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_down_stash(const __grid_constant__ DownParams params) {
     MOE_UNPACK_DownParams(params);
+    if (family_skipped(choice, FAMILY_WARP_DECODE)) return;
     extern __shared__ int smem[];
     dequant_setup();
     int* sid = smem;
@@ -770,6 +772,7 @@ moe_gate_up_t{{ mt }}(const __grid_constant__ GateUpParams params) {
     extern __shared__ int smem[];
     dequant_setup();
     pdl_wait();  // x, the routing and mid's previous readers belong to earlier kernels
+    if (family_skipped(choice, FAMILY_WARP_DECODE)) return;
     pdl_launch_dependents();  // the down kernel may launch and stage its inputs now
     GuUnit<{{ mt }}> first;
     const bool loaded = load_first_unit(topk_ids, m, w13, w13_scales, first);

@@ -22,6 +22,8 @@ pub struct Device {
     arch: Arch,
     sms: u32,
     max_smem_optin: u32,
+    /// Peak DRAM bandwidth from the memory clock and bus width, GB/s (0 if the driver does not say).
+    dram_gbps: f64,
     cache: DiskCache,
 }
 
@@ -52,8 +54,12 @@ impl Device {
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_smem_optin =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
+        // kHz, bits: two transfers a clock.
+        let clock_khz = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).unwrap_or(0);
+        let bus_bits = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).unwrap_or(0);
+        let dram_gbps = 2.0 * clock_khz.max(0) as f64 * 1e3 * (bus_bits.max(0) as f64 / 8.0) / 1e9;
         let stream = ctx.new_stream()?;
-        Ok(Device { ctx, stream, arch, sms, max_smem_optin, cache: DiskCache::open_default() })
+        Ok(Device { ctx, stream, arch, sms, max_smem_optin, dram_gbps, cache: DiskCache::open_default() })
     }
 
     /// Use another kernel cache directory (tests, the CLI).
@@ -72,6 +78,11 @@ impl Device {
     /// The most shared memory, in bytes, a block may opt in to; it bounds the kernels' tiles.
     pub fn max_smem_optin(&self) -> u32 {
         self.max_smem_optin
+    }
+    /// Peak DRAM bandwidth in GB/s from the memory clock and bus width the driver reports (0 where
+    /// it reports neither); the dispatcher's analytic fallback scales by it.
+    pub fn dram_gbps(&self) -> f64 {
+        self.dram_gbps
     }
     /// The CUDA context moeforge's buffers and modules live in.
     pub fn context(&self) -> &Arc<CudaContext> {

@@ -1,7 +1,7 @@
 //! A MoE layer on one GPU: its weights, its kernels, and `forward`.
 
 use crate::device::Device;
-use crate::dispatch::choose_family;
+use crate::dispatch::{choose_family, Choice, DispatchModel};
 use crate::error::{Result, RuntimeError};
 use crate::families::decode::DecodeFamily;
 use crate::families::grouped::{Alignment, GroupedPath};
@@ -85,6 +85,15 @@ pub struct MoeLayer {
     grouped: std::result::Result<GroupedPath, String>,
     /// Steps of at least this many tokens take the grouped GEMMs.
     prefill_threshold: usize,
+    /// The dispatcher's models (None: below the threshold, warp decode).
+    dispatch: Option<DispatchModel>,
+    /// `moe_choose`'s output: the family, the counts and the predictions (`Choice`).
+    choice: CudaSlice<i32>,
+    /// Where a dispatched step's grouped kernels run, beside warp decode's: the family not
+    /// chosen then returns at once off the chosen one's path.
+    side: Arc<CudaStream>,
+    /// The last step's token count and its family where the host chose it.
+    last_plan: Mutex<Option<(usize, Option<KernelFamily>)>>,
     deterministic: bool,
     /// The group-limited router's per-expert correction bias (zeros until set).
     router_bias: CudaSlice<f32>,
@@ -176,6 +185,7 @@ impl MoeLayer {
         }
         weights.validate(&spec)?;
         let kspec = spec.kernel_spec();
+        let grouped_ok = grouped.is_ok();
         let decode = DecodeFamily::load(device, &kspec, &src)?;
         let stream = device.stream().clone();
         let on_device = weights.into_device(&stream)?;
@@ -198,6 +208,10 @@ impl MoeLayer {
             decode,
             grouped,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
+            dispatch: grouped_ok.then(|| DispatchModel::analytic(&kspec, device.dram_gbps())),
+            choice: stream.alloc_zeros::<i32>(8)?,
+            side: stream.context().new_stream()?,
+            last_plan: Mutex::new(None),
             deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
             stream,
@@ -283,9 +297,59 @@ impl MoeLayer {
     }
 
     /// Steps of at least `tokens` tokens take the grouped GEMMs (when the spec allows them);
-    /// smaller ones warp decode.
+    /// smaller ones warp decode. A fixed threshold: this turns the dispatcher off
+    /// ([`MoeLayer::set_dispatch_model`] turns it back on, below the new threshold).
     pub fn set_prefill_threshold(&mut self, tokens: usize) {
         self.prefill_threshold = tokens.max(1);
+        self.dispatch = None;
+    }
+
+    /// The routing-aware dispatcher's models, or `None` for the fixed threshold. Below the
+    /// prefill threshold each step's family is the one the models predict faster for its live
+    /// routing (distinct experts and pairs, counted on the device by `moe_choose`), unless its
+    /// token count alone settles it ([`DispatchModel::fixed_choice`]); from the threshold on,
+    /// the grouped GEMMs. On by default where the layer has the grouped family, with
+    /// [`DispatchModel::analytic`]; a profile fitted on the device ([`DispatchModel::fit`]) does
+    /// better. Without the grouped family this is a no-op.
+    pub fn set_dispatch_model(&mut self, model: Option<DispatchModel>) {
+        self.dispatch = model.filter(|_| self.grouped.is_ok());
+    }
+
+    /// The dispatcher's models, if it is on.
+    pub fn dispatch_model(&self) -> Option<DispatchModel> {
+        self.dispatch
+    }
+
+    /// What ran the last step: the family, who chose it and, where the device did, what it
+    /// counted and predicted. Reads the device's choice back (syncs the layer's stream), and
+    /// emits it as a `tracing` event.
+    pub fn last_choice(&self) -> Result<Choice> {
+        let (m, fixed) = (*self.last_plan.lock().unwrap_or_else(|p| p.into_inner())).ok_or(RuntimeError::NoStepYet)?;
+        let choice = match fixed {
+            Some(family) => Choice {
+                family,
+                on_device: false,
+                m,
+                distinct: 0,
+                pairs: 0,
+                predicted_decode_us: 0.0,
+                predicted_grouped_us: 0.0,
+            },
+            None => {
+                let c = self.stream.clone_dtoh(&self.choice)?;
+                Choice {
+                    family: if c[0] == 1 { KernelFamily::GroupedGemm } else { KernelFamily::WarpDecode },
+                    on_device: true,
+                    m,
+                    distinct: c[1] as u32,
+                    pairs: c[2] as u32,
+                    predicted_decode_us: f32::from_bits(c[4] as u32),
+                    predicted_grouped_us: f32::from_bits(c[5] as u32),
+                }
+            }
+        };
+        tracing::info!(?choice, "dispatch");
+        Ok(choice)
     }
 
     /// How the grouped path combines expert outputs into token rows. `true` (the default): GEMM2
@@ -324,9 +388,15 @@ impl MoeLayer {
         self.grouped.as_ref().ok().map(|g| g.tiles)
     }
 
-    /// The family `forward` uses for a step of `m` tokens.
-    pub fn family_for(&self, m: usize) -> KernelFamily {
-        choose_family(m, self.prefill_threshold, self.grouped.is_ok())
+    /// The family `forward` uses for a step of `m` tokens, or `None` where the dispatcher
+    /// chooses it on the device from each step's routing.
+    pub fn family_for(&self, m: usize) -> Option<KernelFamily> {
+        match self.dispatch {
+            Some(model) if m < self.prefill_threshold => {
+                model.fixed_choice(m, self.kspec.top_k(), self.kspec.experts())
+            }
+            _ => Some(choose_family(m, self.prefill_threshold, self.grouped.is_ok())),
+        }
     }
 
     /// `y[M, H] = MoE(x[M, H])` for routing `topk_ids[M, k]` (i32) and `topk_weights[M, k]` (f32),
@@ -429,7 +499,7 @@ impl MoeLayer {
             unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, ids)? };
             validate_ids(&host, self.spec.experts())?;
         }
-        let family = family.unwrap_or_else(|| self.family_for(m));
+        let family = family.or_else(|| self.family_for(m));
         let (ids, weights) = self.with_shared(stream, m, (ids, topk_weights.ptr()), x.ptr())?;
         let p = self.step_ptrs(x.ptr(), ids, weights, y.ptr());
         self.launch_family(stream, family, m, &p)
@@ -509,7 +579,7 @@ impl MoeLayer {
         g.reserve(&self.stream, &self.kspec, m, self.deterministic)?;
         // moe_prepare routes in the grouped step's first kernel, except where the shared experts'
         // slots must be appended first.
-        if family == KernelFamily::GroupedGemm && self.spec.shared_experts() == 0 {
+        if family == Some(KernelFamily::GroupedGemm) && self.spec.shared_experts() == 0 {
             // The grouped step routes in its first kernel (moe_prepare).
             let (ids, weights) = g.routing_ptrs(s, m)?;
             let p = StepPtrs { logits, bias, ..self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s)) };
@@ -593,18 +663,48 @@ impl MoeLayer {
             w13_bias: self.bias.as_ref().map_or(0, |(b, _)| ptr(b, s)),
             w2_bias: self.bias.as_ref().map_or(0, |(_, b)| ptr(b, s)),
             errors: ptr(&self.errors, s),
+            choice: 0,
         }
     }
 
-    fn launch_family(&self, stream: &Arc<CudaStream>, family: KernelFamily, m: usize, p: &StepPtrs) -> Result<()> {
-        tracing::debug!(%family, m, "forward");
+    /// Run the step on `family`, or (`None`) on the family `moe_choose` picks on the device: it
+    /// launches first, then both families, whose kernels return at once unless chosen.
+    fn launch_family(
+        &self,
+        stream: &Arc<CudaStream>,
+        family: Option<KernelFamily>,
+        m: usize,
+        p: &StepPtrs,
+    ) -> Result<()> {
+        *self.last_plan.lock().unwrap_or_else(|p| p.into_inner()) = Some((m, family));
         match family {
-            KernelFamily::GroupedGemm => {
+            Some(KernelFamily::GroupedGemm) => {
+                tracing::debug!(m, "forward: grouped GEMMs");
                 let g = self.grouped_path()?;
                 g.reserve(stream, &self.kspec, m, self.deterministic)?;
                 g.forward(stream, &self.kspec, m, p, self.deterministic)
             }
-            _ => self.decode.forward(stream, &self.kspec, m, p),
+            Some(_) => {
+                tracing::debug!(m, "forward: warp decode");
+                self.decode.forward(stream, &self.kspec, m, p)
+            }
+            None => {
+                tracing::debug!(m, "forward: the device chooses the family");
+                let model = self.dispatch.expect("a step the device dispatches has models");
+                let g = self.grouped_path()?;
+                g.reserve(stream, &self.kspec, m, self.deterministic)?;
+                let choice = ptr(&self.choice, &self.stream);
+                g.choose(stream, m, p.ids, &model, choice)?;
+                let p = StepPtrs { choice, ..*p };
+                // The two families on two streams (a fork and a join, which graph capture keeps),
+                // so the one not chosen exits beside the chosen one rather than in its path.
+                let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+                self.side.wait(&stream.record_event(no_timing)?)?;
+                g.forward(&self.side, &self.kspec, m, &p, self.deterministic)?;
+                self.decode.forward(stream, &self.kspec, m, &p)?;
+                stream.wait(&self.side.record_event(no_timing)?)?;
+                Ok(())
+            }
         }
     }
 }

@@ -61,7 +61,10 @@ fn caller_owned_buffers_stream_and_graph() {
             }
             let got: Vec<f32> = stream.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
             let (rel, cos) = compare(&got, &want);
-            println!("m={m:<4} i64={wide} graph={graph} {}: rel_l2={rel:.3e} cos={cos:.8}", layer.family_for(m));
+            println!(
+                "m={m:<4} i64={wide} graph={graph} {}: rel_l2={rel:.3e} cos={cos:.8}",
+                layer.last_choice().unwrap().family
+            );
             assert!(got.iter().all(|v| v.is_finite()), "m={m}: unwritten outputs");
             assert!(rel <= 5e-3 && cos >= 0.9999, "m={m} i64={wide} graph={graph}: rel {rel:.3e} cos {cos:.8}");
         }

@@ -82,7 +82,7 @@ fn check(layer: &MoeLayer, w: &HostWeights, m: usize, skew: f64, seed: u64, how:
         ActDtype::Bf16 => run_step::<half::bf16>(layer, &x, &ids, &rw, how),
         ActDtype::Fp16 => run_step::<half::f16>(layer, &x, &ids, &rw, how),
     };
-    let family = how.family.unwrap_or_else(|| layer.family_for(m));
+    let family = how.family.unwrap_or_else(|| layer.last_choice().unwrap().family);
     let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
     let unwritten = got.iter().filter(|v| !v.is_finite()).count();
     assert_eq!(unwritten, 0, "{} {family} m={m} seed={seed}: {unwritten} outputs unwritten or non-finite", spec.id());
@@ -184,7 +184,7 @@ fn biases_and_swiglu_oai_match_reference() {
             for (j, &m) in ms.iter().enumerate() {
                 // `reserve(m)` covers the family `forward` picks for m (warp decode only below
                 // the prefill threshold when the layer has the grouped family): capture that one.
-                let how = How { family: Some(family), graph: j % 2 == 1 && family == layer.family_for(m) };
+                let how = How { family: Some(family), graph: j % 2 == 1 && Some(family) == layer.family_for(m) };
                 let s = seed + m as u64;
                 assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
             }
@@ -301,8 +301,7 @@ fn large_steps_for_every_codec() {
         layer.set_validate_routing(false);
         for m in [4096, 16384] {
             let graph = m == 4096;
-            let family = layer.family_for(m);
-            if family == KernelFamily::WarpDecode {
+            if layer.family_for(m) == Some(KernelFamily::WarpDecode) {
                 assert!(m > layer.decode_chunk(), "{}: the step fits one launch, so splitting is untested", spec.id());
             }
             let how = How { family: None, graph };
@@ -435,7 +434,7 @@ fn routing_from_logits_in_every_family() {
                         wdiff = a.iter().zip(&b).map(|(p, q)| (p.1 - q.1).abs()).fold(wdiff, f32::max);
                     }
                 }
-                let family = layer.family_for(m);
+                let family = layer.last_choice().unwrap().family;
                 let r = (family, compare(&got[..t * h], &want).0, compare(&got[..t * h], &want).1);
                 assert_close(&spec, &format!("logits m={m} graph={graph} ids {same}/{}", ids.len()), r);
                 assert_eq!(same, ids.len(), "{} m={m}: routing ids differ from the CPU router", spec.id());
@@ -476,7 +475,7 @@ fn shared_experts_match_reference() {
             KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
         for &family in &families {
             for (j, m) in [1usize, 5, 40, 300].into_iter().enumerate() {
-                let how = How { family: Some(family), graph: j % 2 == 1 && family == layer.family_for(m) };
+                let how = How { family: Some(family), graph: j % 2 == 1 && Some(family) == layer.family_for(m) };
                 let s = seed + m as u64;
                 assert_close(&spec, &format!("m={m} graph={} seed={s}", how.graph), check(&layer, &w, m, 0.5, s, how));
             }
@@ -500,7 +499,7 @@ fn shared_experts_match_reference() {
             };
             let same = (0..m).all(|t| sorted(&gids[t * k..(t + 1) * k]) == sorted(&ids[t * k..(t + 1) * k]));
             assert!(same, "{} m={m}: routed experts differ from the CPU router", spec.id());
-            let family = layer.family_for(m);
+            let family = layer.last_choice().unwrap().family;
             let want = if family == KernelFamily::GroupedGemm && moe_codegen::grouped::quantizes_activations(&spec) {
                 moe_forward_fp8_acts(&spec, &w, &x, &ids, &rw)
             } else {

@@ -3,7 +3,30 @@
 
 use moe_codegen::KernelFamily;
 
+pub mod model;
 pub mod wave;
+
+pub use model::{DispatchModel, LinearCost, ModelFitError, ModelSource, Sample, DEFAULT_OVERHEAD_US};
+
+/// What the dispatcher chose for a step, as [`crate::MoeLayer::last_choice`] reads it back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    /// The family that ran.
+    pub family: KernelFamily,
+    /// Whether the device chose it from the live routing (`false`: the host, from the token count
+    /// alone, because no routing could change the answer or dispatch is off).
+    pub on_device: bool,
+    /// Tokens in the step.
+    pub m: usize,
+    /// Distinct experts the device counted (0 where the host chose).
+    pub distinct: u32,
+    /// Valid (token, expert) pairs the device counted (0 where the host chose).
+    pub pairs: u32,
+    /// The model's prediction for warp decode, us (0 where the host chose).
+    pub predicted_decode_us: f32,
+    /// The model's prediction for the grouped GEMMs, us (0 where the host chose).
+    pub predicted_grouped_us: f32,
+}
 
 /// The family for a step of `m` tokens: the grouped GEMMs from `prefill_threshold` tokens on,
 /// where the layer has them; warp decode otherwise.

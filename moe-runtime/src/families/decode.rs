@@ -301,6 +301,7 @@ impl DecodeFamily {
             mid,
             m: m_i32,
             err: p.errors,
+            choice: p.choice,
         };
         let dn = DownParams {
             mid,
@@ -311,6 +312,7 @@ impl DecodeFamily {
             w2_bias: p.w2_bias,
             y: p.y,
             m: m_i32,
+            choice: p.choice,
         };
         // Both launch as programmatic dependents: each waits (griddepcontrol.wait) before it
         // touches memory its predecessor may use, so only launch latency overlaps.

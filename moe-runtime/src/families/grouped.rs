@@ -7,15 +7,18 @@
 //! (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
 
 use crate::device::Device;
+use crate::dispatch::DispatchModel;
 use crate::error::{Result, RuntimeError};
 use crate::families::StepPtrs;
 use crate::launch::{cooperative_attrs, launch_attrs, max_active_clusters, ptr, Kernel};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::grouped::{prepare_smem_bytes, x_per_token, ALIGN_THREADS, ELEMWISE_THREADS, ROUTE_THREADS};
+use moe_codegen::grouped::{
+    prepare_smem_bytes, x_per_token, ALIGN_THREADS, CHOOSE_THREADS, ELEMWISE_THREADS, ROUTE_THREADS,
+};
 use moe_codegen::params::{
-    CombineRowsParams, ConvertParams, Gemm1Params, Gemm2Params, KernelParams, PrepareParams, QuantMidParams,
-    RouteParams, TmaDesc,
+    ChooseParams, CombineRowsParams, ConvertParams, Gemm1Params, Gemm2Params, KernelParams, PrepareParams,
+    QuantMidParams, RouteParams, TmaDesc,
 };
 use moe_codegen::{GemmTiles, KernelSource, MoeSpec};
 use std::sync::{Arc, Mutex};
@@ -54,6 +57,7 @@ struct Fns {
     gemm2_rows: Kernel<Gemm2Params>,
     combine_rows: Kernel<CombineRowsParams>,
     convert: Kernel<ConvertParams>,
+    choose: Kernel<ChooseParams>,
 }
 
 /// Scratch for steps of up to `tokens` tokens, grown (outside graph capture) on demand.
@@ -117,8 +121,8 @@ pub(crate) struct GroupedPath {
 impl GroupedPath {
     pub fn with_source(device: &Device, spec: &MoeSpec, tiles: GemmTiles, src: &KernelSource) -> Result<GroupedPath> {
         // Every kernel its own module, compiled in parallel; in the order ENTRY_POINTS lists them.
-        let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert]: [CudaFunction; 8] =
-            device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
+        let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert, choose]: [CudaFunction;
+            9] = device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
         let fns = Fns {
             route: Kernel::new(route),
             prepare: Kernel::new(prepare),
@@ -128,6 +132,7 @@ impl GroupedPath {
             gemm2_rows: Kernel::new(gemm2_rows),
             combine_rows: Kernel::new(combine_rows),
             convert: Kernel::new(convert),
+            choose: Kernel::new(choose),
         };
         let blocks = |g: &CudaFunction, smem: u32| -> Result<u32> {
             if smem > device.max_smem_optin() {
@@ -258,6 +263,24 @@ impl GroupedPath {
         Ok((ids, w))
     }
 
+    /// The dispatcher's choice for a step of `m` tokens routed by `ids` (`[m, k]` i32), from
+    /// `model`, written to `out` (8 i32: `moe_choose`'s layout) for the families' kernels.
+    pub fn choose(&self, stream: &Arc<CudaStream>, m: usize, ids: u64, model: &DispatchModel, out: u64) -> Result<()> {
+        let p = ChooseParams {
+            topk_ids: ids,
+            m: m as i32,
+            decode_c0: model.decode.c0,
+            decode_cd: model.decode.per_expert,
+            decode_cp: model.decode.per_pair,
+            grouped_c0: model.grouped.c0,
+            grouped_cd: model.grouped.per_expert,
+            grouped_cp: model.grouped.per_pair,
+            out,
+        };
+        // SAFETY: `ids` holds the step's m * k routing ids (checked by the layer), `out` 8 i32.
+        unsafe { self.fns.choose.launch(stream, (1, CHOOSE_THREADS, 0), true, p) }
+    }
+
     /// One step: `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`.
     pub fn forward(
         &self,
@@ -311,6 +334,7 @@ impl GroupedPath {
             tile_span: span,
             tile_span1: span1,
             num_tiles: ntiles,
+            choice: p.choice,
         };
         // SAFETY (every launch below): the step's pointers were checked against the spec by the
         // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
@@ -402,6 +426,7 @@ impl GroupedPath {
                     w2_bias: p.w2_bias,
                     m: m32,
                     y: p.y,
+                    choice: p.choice,
                 };
                 let dims = (elementwise(m * h / 8), ELEMWISE_THREADS, 0);
                 self.fns.combine_rows.launch(stream, dims, true, combine)?;
@@ -413,6 +438,7 @@ impl GroupedPath {
                     w2_bias: p.w2_bias,
                     m: m32,
                     y: p.y,
+                    choice: p.choice,
                 };
                 self.fns.convert.launch(stream, (elementwise(m * h), ELEMWISE_THREADS, 0), true, convert)?;
             }

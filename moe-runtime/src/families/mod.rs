@@ -23,4 +23,7 @@ pub(crate) struct StepPtrs {
     pub w13_bias: u64,
     pub w2_bias: u64,
     pub errors: u64,
+    /// `moe_choose`'s output where the device picks the family (each family's kernels return at
+    /// once unless chosen), 0 where the host did.
+    pub choice: u64,
 }

@@ -1,0 +1,311 @@
+//! The dispatcher's regret: for each step, the time of the family the dispatcher ran against the
+//! best family found by timing every candidate in the same run.
+//!
+//! `cargo bench --bench dispatch -- [--report FILE] [--geometries qwen3-30b-a3b,...] [--formats
+//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--decode-max 64]`
+//!
+//! Each case times, as graph replays of four steps with fresh routing each (so the touched
+//! experts change and weights do not sit in L2 from one step to the next), warp decode alone
+//! (up to `--decode-max` tokens), the grouped GEMMs alone, the dispatched layer (`forward` with the
+//! dispatcher's models) and today's default before the dispatcher (the fixed 16-token threshold,
+//! taken from the first two). `--profile` first fits the models on this device (RaMP's grid: five
+//! token counts below the threshold times five routing skews, both families timed) and
+//! dispatches with them; without it the analytic fallback dispatches. Routing: uniform; skewed
+//! (each token's experts from the first eighth of the experts with probability 0.85); balanced
+//! (token t takes experts t k .. t k + k - 1 modulo E). Rows: `geometry`, `format`, `routing`,
+//! `m`, `chosen`, `chosen_us`, `best`, `best_us`, `regret_pct`, `default_us`, `vs_default_pct`,
+//! `pct_of_copy` (the dispatched step's bytes: touched experts' weights once, x, y, routing,
+//! against the copy bandwidth measured in the same run), `model`, device, date.
+
+use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use moe_runtime::dispatch::{DispatchModel, Sample};
+use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
+use moe_runtime::{Device, MoeLayer, DEFAULT_PREFILL_THRESHOLD};
+use moeforge::codegen::{KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use std::sync::Arc;
+
+type Bf = half::bf16;
+
+/// Steps per graph: consecutive steps touch different experts.
+const STEPS: usize = 4;
+
+/// One step's device inputs and host routing.
+struct Step {
+    x: CudaSlice<Bf>,
+    ids: CudaSlice<i32>,
+    w: CudaSlice<f32>,
+    host_ids: Vec<i32>,
+}
+
+/// How a case runs: one family, or the dispatcher with a model.
+#[derive(Clone, Copy)]
+enum Run {
+    Family(KernelFamily),
+    Dispatched(DispatchModel),
+}
+
+fn list<T: std::str::FromStr>(args: &[String], flag: &str) -> Option<Vec<T>> {
+    let i = args.iter().position(|a| a == flag)?;
+    Some(args.get(i + 1)?.split(',').filter_map(|v| v.parse().ok()).collect())
+}
+
+/// `STEPS` steps of `m` tokens with the routing `routing` (`uniform`, `skewed`, `balanced`, or a
+/// skew in [0, 1], or `few`: every token on the same top_k experts).
+fn steps(layer: &MoeLayer, spec: &MoeSpec, m: usize, routing: &str) -> Vec<Step> {
+    let s = layer.stream();
+    let (e, k) = (spec.experts() as usize, spec.top_k() as usize);
+    (0..STEPS)
+        .map(|j| {
+            let skew = match routing {
+                "skewed" => 0.85,
+                r => r.parse().unwrap_or(0.0),
+            };
+            let (x, mut ids, rw) = random_step(spec, m, skew, fresh_seed());
+            match routing {
+                "balanced" => ids.iter_mut().enumerate().for_each(|(p, id)| *id = ((p + j * k) % e) as i32),
+                "few" => ids.iter_mut().enumerate().for_each(|(p, id)| *id = ((p % k + j * k) % e) as i32),
+                _ => {}
+            }
+            Step {
+                x: s.clone_htod(&x.iter().map(|&v| Bf::from_f32(v)).collect::<Vec<_>>()).unwrap(),
+                ids: s.clone_htod(&ids).unwrap(),
+                w: s.clone_htod(&rw).unwrap(),
+                host_ids: ids,
+            }
+        })
+        .collect()
+}
+
+fn configure(layer: &mut MoeLayer, run: Run) {
+    match run {
+        Run::Family(KernelFamily::GroupedGemm) => layer.set_prefill_threshold(1),
+        Run::Family(_) => layer.set_prefill_threshold(usize::MAX),
+        Run::Dispatched(model) => {
+            layer.set_prefill_threshold(DEFAULT_PREFILL_THRESHOLD);
+            layer.set_dispatch_model(Some(model));
+        }
+    }
+}
+
+/// A case's graph of `STEPS` steps run as `run` says, and the families the steps ran (read back
+/// after one eager run of each).
+fn prepare(layer: &mut MoeLayer, run: Run, steps: &[Step], y: &mut CudaSlice<Bf>) -> (CudaGraph, Vec<KernelFamily>) {
+    configure(layer, run);
+    let m = y.len() / layer.spec().hidden() as usize;
+    layer.reserve(m).unwrap();
+    let s = layer.stream().clone();
+    let g = capture(&s, || steps.iter().try_for_each(|st| layer.forward(&st.x, &st.ids, &st.w, y))).unwrap();
+    let families = steps
+        .iter()
+        .map(|st| {
+            layer.forward(&st.x, &st.ids, &st.w, y).unwrap();
+            layer.last_choice().unwrap().family
+        })
+        .collect();
+    (g, families)
+}
+
+/// Median microseconds per step of each graph: three interleaved rounds (clocks drift between
+/// back-to-back measurements of the same code by several percent at large M), the median of each
+/// graph's round medians.
+fn time_all(s: &Arc<CudaStream>, graphs: &[&CudaGraph], m: usize) -> Vec<f64> {
+    let reps = if m >= 4096 { 10 } else { 30 };
+    let mut t = vec![Vec::new(); graphs.len()];
+    for _ in 0..3 {
+        for (g, t) in graphs.iter().zip(&mut t) {
+            t.push(time_graph(s, g, reps).unwrap() / STEPS as f64);
+        }
+    }
+    t.into_iter()
+        .map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            v[1]
+        })
+        .collect()
+}
+
+fn distinct(ids: &[i32]) -> u32 {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v.len() as u32
+}
+
+/// Fit the dispatcher's models on this device: both families timed at five token counts below
+/// the threshold times five routing skews.
+fn profile(layer: &mut MoeLayer, spec: &MoeSpec) -> DispatchModel {
+    let mut samples = Vec::new();
+    for m in [2usize, 4, 8, 12, 15] {
+        let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * spec.hidden() as usize).unwrap();
+        for routing in ["0", "0.5", "0.85", "1", "few"] {
+            let st = steps(layer, spec, m, routing);
+            let families = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
+            let graphs: Vec<CudaGraph> =
+                families.iter().map(|&f| prepare(layer, Run::Family(f), &st, &mut y).0).collect();
+            let times = time_all(layer.stream(), &graphs.iter().collect::<Vec<_>>(), m);
+            // The graph's steps' mean counts stand for each step's.
+            let d = st.iter().map(|s| distinct(&s.host_ids)).sum::<u32>() / STEPS as u32;
+            let pairs = (m * spec.top_k() as usize) as u32;
+            for (family, us) in families.into_iter().zip(times) {
+                samples.push(Sample { family, m, distinct: d, pairs, us });
+            }
+        }
+    }
+    let mut model = DispatchModel::fit(&samples).unwrap();
+    // What choosing on the device costs: dispatched steps that the device must choose for, against
+    // the same steps on the family it chose.
+    let free = DispatchModel { overhead_us: 0.0, ..model };
+    let mut costs = Vec::new();
+    for m in [4usize, 8, 12] {
+        if free.fixed_choice(m, spec.top_k(), spec.experts()).is_some() {
+            continue;
+        }
+        let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * spec.hidden() as usize).unwrap();
+        for routing in ["0", "0.85"] {
+            let st = steps(layer, spec, m, routing);
+            let (gd, chosen) = prepare(layer, Run::Dispatched(free), &st, &mut y);
+            if chosen.iter().any(|&f| f != chosen[0]) {
+                continue;
+            }
+            let gf = prepare(layer, Run::Family(chosen[0]), &st, &mut y).0;
+            let t = time_all(layer.stream(), &[&gd, &gf], m);
+            costs.push((t[0] - t[1]) as f32);
+        }
+    }
+    if !costs.is_empty() {
+        costs.sort_by(f32::total_cmp);
+        model.overhead_us = costs[costs.len() / 2].max(0.0);
+    }
+    println!("device dispatch costs {costs:?} us: overhead_us = {}", model.overhead_us);
+    let worst = samples
+        .iter()
+        .map(|s| {
+            let c = if s.family == KernelFamily::GroupedGemm { model.grouped } else { model.decode };
+            (c.predict(s.distinct, s.pairs) as f64 / s.us - 1.0).abs()
+        })
+        .fold(0.0, f64::max);
+    println!("profile: {model:?}; worst prediction error {:.1}%", 100.0 * worst);
+    model
+}
+
+fn main() {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    let args: Vec<String> = std::env::args().collect();
+    let report = args.iter().position(|a| a == "--report").and_then(|i| args.get(i + 1)).cloned();
+    let geos: Vec<String> = list(&args, "--geometries").unwrap_or(vec!["qwen3-30b-a3b".into()]);
+    let formats: Vec<WeightFormat> = list(&args, "--formats").unwrap_or(vec![WeightFormat::Bf16]);
+    let ms: Vec<usize> = list(&args, "--ms").unwrap_or((0..13).map(|p| 1 << p).collect());
+    let routings: Vec<String> =
+        list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into(), "balanced".into()]);
+    let decode_max = list::<usize>(&args, "--decode-max").and_then(|v| v.first().copied()).unwrap_or(64);
+    let profiled = args.iter().any(|a| a == "--profile");
+    let dev = Device::new(0).unwrap_or_else(|e| {
+        eprintln!("dispatch bench needs an NVIDIA GPU: {e}");
+        std::process::exit(1);
+    });
+    let copy = copy_gbps(dev.stream()).unwrap();
+    println!("{}: device-to-device copy {copy:.0} GB/s", dev.name());
+    let mut out = report
+        .as_ref()
+        .map(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap_or_else(|e| panic!("{p}: {e}")));
+    let mut regrets = Vec::new();
+    for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
+        if !geos.iter().any(|g| g == geo) {
+            continue;
+        }
+        for &format in &formats {
+            let Ok(spec) = MoeSpec::builder(h, i, e, k).weight_format(format).build() else { continue };
+            let w = random_weights(&spec, fresh_seed());
+            let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+            drop(w);
+            layer.set_validate_routing(false);
+            let Some(analytic) = layer.dispatch_model() else {
+                println!("{geo} {format}: no grouped family, nothing to dispatch");
+                continue;
+            };
+            let model = if profiled { profile(&mut layer, &spec) } else { analytic };
+            let model_name = if profiled { "profile" } else { "analytic" };
+            for &m in &ms {
+                let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * h as usize).unwrap();
+                for routing in &routings {
+                    let st = steps(&layer, &spec, m, routing);
+                    let mut runs = vec![Run::Dispatched(model), Run::Family(KernelFamily::GroupedGemm)];
+                    if m <= decode_max {
+                        runs.push(Run::Family(KernelFamily::WarpDecode));
+                    }
+                    let prepared: Vec<(CudaGraph, Vec<KernelFamily>)> =
+                        runs.iter().map(|&r| prepare(&mut layer, r, &st, &mut y)).collect();
+                    let graphs: Vec<&CudaGraph> = prepared.iter().map(|p| &p.0).collect();
+                    let times = time_all(layer.stream(), &graphs, m);
+                    let (us, grouped, decode) = (times[0], times[1], times.get(2).copied());
+                    let chosen = &prepared[0].1;
+                    let (best, best_us) = match decode {
+                        Some(d) if d < grouped => (KernelFamily::WarpDecode, d),
+                        _ => (KernelFamily::GroupedGemm, grouped),
+                    };
+                    let default_us = if m < DEFAULT_PREFILL_THRESHOLD { decode.unwrap_or(f64::NAN) } else { grouped };
+                    let regret = 100.0 * (us / best_us - 1.0);
+                    regrets.push(regret);
+                    let grouped_steps = chosen.iter().filter(|&&f| f == KernelFamily::GroupedGemm).count();
+                    let chosen_name = match grouped_steps {
+                        0 => "warp_decode".to_string(),
+                        n if n == STEPS => "grouped_gemm".to_string(),
+                        n => format!("mixed ({n} of {STEPS} grouped)"),
+                    };
+                    let bytes: f64 = st
+                        .iter()
+                        .map(|s| {
+                            (distinct(&s.host_ids) as usize * spec.expert_bytes()
+                                + 2 * m * h as usize * 2
+                                + m * k as usize * 8) as f64
+                        })
+                        .sum::<f64>()
+                        / STEPS as f64;
+                    let pct_copy = 100.0 * bytes / (us * 1e-6) / 1e9 / copy;
+                    println!(
+                        "{geo:<14} {format:<10} {routing:<8} m={m:<5} chosen {chosen_name:<22} {us:>9.1} us  best {:<12} {best_us:>9.1} us  regret {regret:>5.1}%  default {default_us:>9.1} us  {pct_copy:>5.1}% of copy",
+                        best.name()
+                    );
+                    if let Some(f) = out.as_mut() {
+                        use std::io::Write;
+                        let r2 = |v: f64| {
+                            if v.is_finite() {
+                                serde_json::json!((v * 100.0).round() / 100.0)
+                            } else {
+                                serde_json::Value::Null
+                            }
+                        };
+                        let row = serde_json::json!({
+                            "device": dev.name(),
+                            "date": timing::today(),
+                            "geometry": geo,
+                            "format": format.name(),
+                            "routing": routing,
+                            "m": m,
+                            "chosen": chosen_name,
+                            "chosen_us": r2(us),
+                            "best": best.name(),
+                            "best_us": r2(best_us),
+                            "regret_pct": r2(regret),
+                            "grouped_us": r2(grouped),
+                            "decode_us": decode.map_or(serde_json::Value::Null, r2),
+                            "default_us": r2(default_us),
+                            "vs_default_pct": r2(100.0 * (us / default_us - 1.0)),
+                            "pct_of_copy": r2(pct_copy),
+                            "copy_gbps": r2(copy),
+                            "model": model_name,
+                            "steps_per_graph": STEPS,
+                        });
+                        writeln!(f, "{row}").unwrap();
+                    }
+                }
+            }
+        }
+    }
+    if !regrets.is_empty() {
+        let mean = regrets.iter().sum::<f64>() / regrets.len() as f64;
+        let max = regrets.iter().copied().fold(f64::MIN, f64::max);
+        println!("regret over {} cases: mean {mean:.2}%, max {max:.2}%", regrets.len());
+    }
+}

@@ -1,0 +1,285 @@
+//! The dispatcher's per-family cost models: a step's time as a linear function of what its live
+//! routing touches, evaluated on the device each step (`moe_choose`) and, where the routing cannot
+//! change the answer, on the host.
+//!
+//! ```text
+//! t(family) = c0 + per_expert * D + per_pair * P      (microseconds)
+//! ```
+//!
+//! with `D` the distinct experts the step touches and `P` its valid (token, expert) pairs. Warp
+//! decode streams each touched expert's gate/up rows once but reads w2 per pair (re-reads of a
+//! shared expert come from L2), so both terms matter; the grouped GEMMs read each touched expert
+//! once, after a fixed cost (alignment, two GEMM prologues, the combine). Skewed routing lowers `D`
+//! for the same `P`, which is what moves the crossover.
+//!
+//! The models come from a profile (timed steps on this device, [`DispatchModel::fit`]) or, without
+//! one, from [`DispatchModel::analytic`]: coefficients in units of the time one expert's weights take
+//! to stream at the device's DRAM bandwidth, fitted once on an H200 over the four reference
+//! geometries (docs/dispatch.md).
+
+use moe_codegen::{KernelFamily, MoeSpec};
+
+/// One family's modelled step time: `c0 + per_expert * D + per_pair * P` microseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearCost {
+    /// Fixed cost (launches, pipeline fill), us.
+    pub c0: f32,
+    /// Per distinct expert touched, us.
+    pub per_expert: f32,
+    /// Per valid (token, expert) pair, us.
+    pub per_pair: f32,
+}
+
+impl LinearCost {
+    /// Predicted microseconds for `distinct` experts and `pairs` pairs, in the order and the
+    /// (unfused, round-to-nearest) f32 arithmetic `moe_choose` uses, so host and device agree.
+    pub fn predict(&self, distinct: u32, pairs: u32) -> f32 {
+        (self.c0 + self.per_expert * distinct as f32) + self.per_pair * pairs as f32
+    }
+}
+
+/// Where a model's coefficients came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// Fitted to steps timed on this device ([`DispatchModel::fit`]).
+    Profile,
+    /// The analytic fallback ([`DispatchModel::analytic`]).
+    Analytic,
+}
+
+/// The dispatcher's models of its two candidate families.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DispatchModel {
+    /// Warp decode.
+    pub decode: LinearCost,
+    /// The grouped GEMMs.
+    pub grouped: LinearCost,
+    /// What choosing on the device costs a step, us: `moe_choose` and the early exits of the
+    /// family not chosen. The host leaves a step's choice to the device only where the models
+    /// predict a larger gain than this.
+    pub overhead_us: f32,
+    /// Where the coefficients came from.
+    pub source: ModelSource,
+}
+
+/// Device dispatch's cost where no profile measured it, us (H200, docs/dispatch.md: 4 to 14).
+pub const DEFAULT_OVERHEAD_US: f32 = 8.0;
+
+/// A timed step a profile fits from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// The family that ran the step.
+    pub family: KernelFamily,
+    /// Tokens in the step.
+    pub m: usize,
+    /// Distinct experts the step touched.
+    pub distinct: u32,
+    /// Valid (token, expert) pairs.
+    pub pairs: u32,
+    /// Median microseconds.
+    pub us: f64,
+}
+
+/// Why a profile could not be fitted.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ModelFitError {
+    /// A family has fewer samples with independent features than the model's three terms.
+    #[error("{family}: {samples} sample(s) do not determine three terms (vary the tokens and the routing's skew)")]
+    Underdetermined {
+        /// The family.
+        family: KernelFamily,
+        /// Its samples.
+        samples: usize,
+    },
+    /// A sample that is not a finite positive time.
+    #[error("a sample time of {0} us")]
+    BadTime(f64),
+}
+
+/// Fallback coefficients (H200 fit, docs/dispatch.md), in units of one expert's streaming time,
+/// except the constants (us): grouped `(c0, per_expert, per_pair)`, then warp decode's, for
+/// formats the grouped GEMMs take as they are stored (16-bit, fp8) and for those they decode in
+/// registers.
+const FALLBACK_STORED: [[f32; 3]; 2] = [[25.0, 1.1, 0.1], [10.0, 0.55, 0.75]];
+const FALLBACK_DECODED: [[f32; 3]; 2] = [[25.0, 2.0, 0.1], [10.0, 0.5, 2.0]];
+
+impl DispatchModel {
+    /// The analytic fallback for `spec` on a device of `dram_gbps` peak bandwidth.
+    pub fn analytic(spec: &MoeSpec, dram_gbps: f64) -> DispatchModel {
+        // One expert's weights and scales at the peak bandwidth, us (H100-like if unknown).
+        let gbps = if dram_gbps > 0.0 { dram_gbps } else { 3350.0 };
+        let tau = (spec.expert_bytes() as f64 / (gbps * 1e3)) as f32;
+        let c = if moe_codegen::grouped::decodes_weights(spec) { FALLBACK_DECODED } else { FALLBACK_STORED };
+        let cost = |[c0, d, p]: [f32; 3]| LinearCost { c0, per_expert: d * tau, per_pair: p * tau };
+        DispatchModel {
+            grouped: cost(c[0]),
+            decode: cost(c[1]),
+            overhead_us: DEFAULT_OVERHEAD_US,
+            source: ModelSource::Analytic,
+        }
+    }
+
+    /// The family the models pick for `distinct` experts and `pairs` pairs: the grouped GEMMs only
+    /// where they are predicted strictly faster (as `moe_choose` decides).
+    pub fn choose(&self, distinct: u32, pairs: u32) -> KernelFamily {
+        if self.grouped.predict(distinct, pairs) < self.decode.predict(distinct, pairs) {
+            KernelFamily::GroupedGemm
+        } else {
+            KernelFamily::WarpDecode
+        }
+    }
+
+    /// The family for a step of `m` tokens where the host can settle it, `None` where the device
+    /// should choose from the live routing. The models' difference is linear in the distinct
+    /// experts, so the choices at the fewest (`top_k`) and the most (`min(m * top_k, experts)`)
+    /// experts m tokens can touch bound every routing's: where they agree, that family. Where they
+    /// differ, the family for uniform routing's expected count, unless the other one is predicted
+    /// faster, at its extreme, by more than twice what choosing on the device costs.
+    pub fn fixed_choice(&self, m: usize, top_k: u32, experts: u32) -> Option<KernelFamily> {
+        let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
+        let (few, most) = (top_k.min(pairs), pairs.min(experts));
+        let a = self.choose(few, pairs);
+        if a == self.choose(most, pairs) {
+            return Some(a);
+        }
+        // Each token misses an expert with probability 1 - k / E.
+        let untouched = (1.0 - top_k as f64 / experts.max(1) as f64).max(0.0).powi(m.min(1 << 20) as i32);
+        let uniform = ((experts as f64 * (1.0 - untouched)).round() as u32).clamp(few, most);
+        let usual = self.choose(uniform, pairs);
+        let gain = match usual {
+            KernelFamily::GroupedGemm => self.grouped.predict(most, pairs) - self.decode.predict(most, pairs),
+            _ => self.decode.predict(few, pairs) - self.grouped.predict(few, pairs),
+        };
+        (gain <= 2.0 * self.overhead_us).then_some(usual)
+    }
+
+    /// Fit both families' models by least squares to timed steps.
+    pub fn fit(samples: &[Sample]) -> Result<DispatchModel, ModelFitError> {
+        if let Some(s) = samples.iter().find(|s| !(s.us.is_finite() && s.us > 0.0)) {
+            return Err(ModelFitError::BadTime(s.us));
+        }
+        let one = |family: KernelFamily| -> Result<LinearCost, ModelFitError> {
+            let rows: Vec<[f64; 3]> = samples
+                .iter()
+                .filter(|s| s.family == family)
+                .map(|s| [1.0, s.distinct as f64, s.pairs as f64])
+                .collect();
+            let y: Vec<f64> = samples.iter().filter(|s| s.family == family).map(|s| s.us).collect();
+            let c = solve3(&rows, &y).ok_or(ModelFitError::Underdetermined { family, samples: rows.len() })?;
+            Ok(LinearCost { c0: c[0] as f32, per_expert: c[1] as f32, per_pair: c[2] as f32 })
+        };
+        Ok(DispatchModel {
+            decode: one(KernelFamily::WarpDecode)?,
+            grouped: one(KernelFamily::GroupedGemm)?,
+            overhead_us: DEFAULT_OVERHEAD_US,
+            source: ModelSource::Profile,
+        })
+    }
+}
+
+/// Least squares for three unknowns through the normal equations, solved by Cramer's rule on
+/// column-scaled features; `None` when they are (nearly) dependent.
+fn solve3(rows: &[[f64; 3]], y: &[f64]) -> Option<[f64; 3]> {
+    let scale: Vec<f64> = (0..3).map(|j| rows.iter().map(|r| r[j] * r[j]).sum::<f64>().sqrt()).collect();
+    if rows.len() < 3 || scale.contains(&0.0) {
+        return None;
+    }
+    let mut a = [[0.0f64; 3]; 3];
+    let mut b = [0.0f64; 3];
+    for (r, &t) in rows.iter().zip(y) {
+        let r = [r[0] / scale[0], r[1] / scale[1], r[2] / scale[2]];
+        for i in 0..3 {
+            b[i] += r[i] * t;
+            for j in 0..3 {
+                a[i][j] += r[i] * r[j];
+            }
+        }
+    }
+    let det = |m: &[[f64; 3]; 3]| {
+        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+    };
+    let d = det(&a);
+    if d.abs() < 1e-9 {
+        return None;
+    }
+    let mut x = [0.0; 3];
+    for (k, xk) in x.iter_mut().enumerate() {
+        let mut m = a;
+        (0..3).for_each(|i| m[i][k] = b[i]);
+        *xk = det(&m) / d / scale[k];
+    }
+    Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moe_codegen::WeightFormat;
+
+    fn qwen(f: WeightFormat) -> MoeSpec {
+        MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap()
+    }
+
+    #[test]
+    fn a_fit_recovers_the_coefficients_and_rejects_too_little() {
+        let (dec, grp) = ([12.0, 1.2, 1.4], [26.0, 2.1, 0.1]);
+        let mut samples = Vec::new();
+        for (m, d) in [(2, 16), (4, 20), (4, 31), (8, 22), (8, 50), (16, 40), (16, 81)] {
+            for (family, c) in [(KernelFamily::WarpDecode, dec), (KernelFamily::GroupedGemm, grp)] {
+                let p = m as f64 * 8.0;
+                samples.push(Sample {
+                    family,
+                    m,
+                    distinct: d,
+                    pairs: m as u32 * 8,
+                    us: c[0] + c[1] * d as f64 + c[2] * p,
+                });
+            }
+        }
+        let model = DispatchModel::fit(&samples).unwrap();
+        assert_eq!(model.source, ModelSource::Profile);
+        for (got, want) in [(model.decode, dec), (model.grouped, grp)] {
+            for (g, w) in [got.c0, got.per_expert, got.per_pair].into_iter().zip(want) {
+                assert!((g as f64 - w).abs() < 1e-3 * w.max(1.0), "{got:?} vs {want:?}");
+            }
+        }
+        // Uniform at M = 2: decode; 8 tokens on 22 experts: grouped.
+        assert_eq!(model.choose(16, 16), KernelFamily::WarpDecode);
+        assert_eq!(model.choose(22, 64), KernelFamily::GroupedGemm);
+        // One token per family cannot fix three terms; a NaN time is refused.
+        let few: Vec<Sample> = samples.iter().take(4).copied().collect();
+        assert!(matches!(DispatchModel::fit(&few), Err(ModelFitError::Underdetermined { .. })));
+        let mut bad = samples.clone();
+        bad[3].us = f64::NAN;
+        assert!(matches!(DispatchModel::fit(&bad), Err(ModelFitError::BadTime(_))));
+    }
+
+    #[test]
+    fn the_routing_fixes_the_choice_only_between_the_bounds() {
+        let model = DispatchModel::analytic(&qwen(WeightFormat::Bf16), 3350.0);
+        // One token touches top_k experts whatever the routing: the host decides (decode).
+        assert_eq!(model.fixed_choice(1, 8, 128), Some(KernelFamily::WarpDecode));
+        // Four tokens: all on 8 experts (grouped wins by 31 us) or on 32 (decode wins): the device
+        // decides, unless that costs more than half the gain.
+        assert_eq!(model.fixed_choice(4, 8, 128), None);
+        let costly = DispatchModel { overhead_us: 20.0, ..model };
+        assert_eq!(costly.fixed_choice(4, 8, 128), Some(KernelFamily::WarpDecode));
+        assert_eq!(model.choose(8, 32), KernelFamily::GroupedGemm);
+        assert_eq!(model.choose(32, 32), KernelFamily::WarpDecode);
+        // Many tokens: grouped at the fewest and the most experts.
+        assert_eq!(model.fixed_choice(64, 8, 128), Some(KernelFamily::GroupedGemm));
+    }
+
+    #[test]
+    fn the_fallback_scales_with_bytes_and_bandwidth() {
+        let (bf16, fp4) = (qwen(WeightFormat::Bf16), qwen(WeightFormat::Mxfp4));
+        let a = DispatchModel::analytic(&bf16, 3350.0);
+        let b = DispatchModel::analytic(&bf16, 6700.0);
+        assert!((a.grouped.per_expert / b.grouped.per_expert - 2.0).abs() < 1e-5);
+        assert!(DispatchModel::analytic(&fp4, 3350.0).grouped.per_expert < a.grouped.per_expert);
+        // An unknown bandwidth still gives a usable model.
+        assert!(DispatchModel::analytic(&bf16, 0.0).decode.per_pair > 0.0);
+        assert_eq!(a.source, ModelSource::Analytic);
+    }
+}

@@ -1,0 +1,170 @@
+//! The routing-aware dispatcher on a real GPU: `moe_choose` counts each step's distinct experts and
+//! pairs on the device and picks the family its models predict faster; the other family's kernels
+//! return at once. Ignored without a GPU; each test fails (never passes) when no GPU is found.
+
+use moe_codegen::{KernelFamily, MoeSpec, WeightFormat};
+use moe_runtime::cudarc::driver::CudaSlice;
+use moe_runtime::dispatch::{DispatchModel, LinearCost, ModelSource};
+use moe_runtime::reference::{compare, moe_forward, moe_forward_fp8_acts};
+use moe_runtime::testing::{fresh_seed, random_step, random_weights};
+use moe_runtime::timing::capture;
+use moe_runtime::{Device, HostWeights, MoeLayer};
+
+type Bf = half::bf16;
+
+fn gpu() -> Device {
+    Device::new(0).unwrap_or_else(|e| panic!("this test needs an NVIDIA GPU: {e}"))
+}
+
+fn bf(v: &[f32]) -> Vec<Bf> {
+    v.iter().map(|&x| Bf::from_f32(x)).collect()
+}
+
+/// Distinct valid experts and valid pairs of a routing, as `moe_choose` counts them.
+fn counts(ids: &[i32], experts: u32) -> (u32, u32) {
+    let mut valid: Vec<i32> = ids.iter().copied().filter(|&e| e >= 0 && (e as u32) < experts).collect();
+    let pairs = valid.len() as u32;
+    valid.sort_unstable();
+    valid.dedup();
+    (valid.len() as u32, pairs)
+}
+
+/// Every token on the same `top_k` experts: the most sharing a step can have.
+fn all_on_few(spec: &MoeSpec, m: usize) -> Vec<i32> {
+    (0..m * spec.top_k() as usize).map(|j| (j % spec.top_k() as usize) as i32 * 3).collect()
+}
+
+/// The reference for the family that ran (the grouped fp8 GEMMs quantize the activations).
+fn reference(spec: &MoeSpec, w: &HostWeights, family: KernelFamily, x: &[f32], ids: &[i32], rw: &[f32]) -> Vec<f64> {
+    if family == KernelFamily::GroupedGemm && moe_codegen::grouped::quantizes_activations(spec) {
+        moe_forward_fp8_acts(spec, w, x, ids, rw)
+    } else {
+        moe_forward(spec, w, x, ids, rw)
+    }
+}
+
+/// A step of `m` tokens through `forward` (optionally a graph replay) into a poisoned y.
+fn step(layer: &MoeLayer, x: &[f32], ids: &[i32], rw: &[f32], graph: bool) -> Vec<f32> {
+    let s = layer.stream().clone();
+    let (dx, dids, dw) = (s.clone_htod(&bf(x)).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(rw).unwrap());
+    let mut y: CudaSlice<Bf> = s.clone_htod(&vec![Bf::from_f32(f32::NAN); x.len()]).unwrap();
+    if graph {
+        let g = capture(&s, || layer.forward(&dx, &dids, &dw, &mut y)).unwrap();
+        g.launch().unwrap();
+    } else {
+        layer.forward(&dx, &dids, &dw, &mut y).unwrap();
+    }
+    s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn dispatched_steps_match_the_reference_and_the_host_model() {
+    let dev = gpu();
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Mxfp4] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let w = random_weights(&spec, fresh_seed());
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(false);
+        layer.reserve(64).unwrap();
+        let model = layer.dispatch_model().expect("the dispatcher is on by default");
+        assert_eq!(model.source, ModelSource::Analytic);
+        let mut seen = [0usize; 2];
+        for m in [2usize, 4, 8, 12] {
+            for (routing, graph) in [("uniform", false), ("skewed", true), ("few", false), ("few", true)] {
+                let seed = fresh_seed();
+                let skew = if routing == "skewed" { 0.85 } else { 0.0 };
+                let (x, mut ids, rw) = random_step(&spec, m, skew, seed);
+                if routing == "few" {
+                    ids = all_on_few(&spec, m);
+                }
+                let got = step(&layer, &x, &ids, &rw, graph);
+                let c = layer.last_choice().unwrap();
+                let (d, p) = counts(&ids, spec.experts());
+                let what = format!("{} m={m} {routing} graph={graph} seed={seed}: {c:?}", spec.id());
+                assert_eq!(c.on_device, layer.family_for(m).is_none(), "{what}");
+                if c.on_device {
+                    assert_eq!((c.distinct, c.pairs), (d, p), "{what}");
+                    assert_eq!(c.family, model.choose(d, p), "{what}: device and host models disagree");
+                    assert_eq!(c.predicted_decode_us, model.decode.predict(d, p), "{what}");
+                }
+                seen[(c.family == KernelFamily::GroupedGemm) as usize] += 1;
+                let unwritten = got.iter().filter(|v| !v.is_finite()).count();
+                assert_eq!(unwritten, 0, "{what}: {unwritten} outputs unwritten");
+                let (rel, cos) = compare(&got, &reference(&spec, &w, c.family, &x, &ids, &rw));
+                println!("{what}: rel_l2={rel:.3e} cos={cos:.8}");
+                let (max_rel, min_cos) =
+                    if moe_codegen::grouped::quantizes_activations(&spec) { (2.5e-2, 0.9995) } else { (5e-3, 0.99999) };
+                assert!(rel <= max_rel && cos >= min_cos, "{what}: rel_l2 {rel:.3e} cos {cos:.8}");
+            }
+        }
+        assert!(seen[0] > 0 && seen[1] > 0, "{}: the window's steps took one family only ({seen:?})", spec.id());
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn one_graph_follows_the_routing_of_each_replay() {
+    let dev = gpu();
+    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    layer.set_validate_routing(false);
+    // Decode costs a pair, grouped two an expert: 8 tokens on 8 experts go grouped, spread over
+    // 50-odd experts they go to warp decode.
+    let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+    let model = DispatchModel {
+        decode: lin(0.0, 0.0, 1.0),
+        grouped: lin(0.0, 2.0, 0.0),
+        overhead_us: 0.0,
+        source: ModelSource::Profile,
+    };
+    layer.set_dispatch_model(Some(model));
+    let m = 8;
+    layer.reserve(m).unwrap();
+    assert_eq!(layer.family_for(m), None);
+    let s = layer.stream().clone();
+    let seed = fresh_seed();
+    let (x, uniform, rw) = random_step(&spec, m, 0.0, seed);
+    let few = all_on_few(&spec, m);
+    let (dx, dw) = (s.clone_htod(&bf(&x)).unwrap(), s.clone_htod(&rw).unwrap());
+    let mut dids = s.clone_htod(&uniform).unwrap();
+    let mut y: CudaSlice<Bf> = s.alloc_zeros(x.len()).unwrap();
+    let g = capture(&s, || layer.forward(&dx, &dids, &dw, &mut y)).unwrap();
+    let mut families = Vec::new();
+    for ids in [&uniform, &few, &uniform, &few] {
+        s.memcpy_htod(ids, &mut dids).unwrap();
+        s.memcpy_htod(&vec![Bf::from_f32(f32::NAN); x.len()], &mut y).unwrap();
+        g.launch().unwrap();
+        let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
+        let c = layer.last_choice().unwrap();
+        let (d, p) = counts(ids, spec.experts());
+        assert_eq!(c.family, model.choose(d, p), "seed {seed}: {c:?}");
+        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, ids, &rw));
+        println!("replay on {d} experts: {} rel_l2={rel:.3e} cos={cos:.8}", c.family);
+        assert!(rel <= 5e-3 && cos >= 0.99999, "seed {seed} {c:?}: rel_l2 {rel:.3e} cos {cos:.8}");
+        families.push(c.family);
+    }
+    assert_eq!(
+        families,
+        [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::WarpDecode, KernelFamily::GroupedGemm]
+    );
+    // Ids out of range are skipped by both families and not counted as pairs.
+    let mut bad = few.clone();
+    bad[0] = 128;
+    bad[9] = -1;
+    let got = step(&layer, &x, &bad, &rw, false);
+    let c = layer.last_choice().unwrap();
+    assert_eq!((c.distinct, c.pairs), counts(&bad, spec.experts()), "{c:?}");
+    // The reference: those pairs weighted 0 (on a valid expert).
+    let (mut rid, mut rrw) = (bad.clone(), rw.clone());
+    for j in [0, 9] {
+        (rid[j], rrw[j]) = (0, 0.0);
+    }
+    let (rel, _) = compare(&got, &moe_forward(&spec, &w, &x, &rid, &rrw));
+    assert!(rel <= 5e-3, "out-of-range ids through the dispatcher: rel_l2 {rel:.3e}");
+    // A fixed threshold turns the dispatcher off.
+    layer.set_prefill_threshold(16);
+    assert_eq!(layer.family_for(m), Some(KernelFamily::WarpDecode));
+    assert!(layer.dispatch_model().is_none());
+}
