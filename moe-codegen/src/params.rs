@@ -351,7 +351,7 @@ mod tests {
     fn declaration_matches_the_rust_layout() {
         let d = DownParams::c_decl();
         assert!(d.starts_with("struct DownParams {\n    const float* mid;\n"), "{d}");
-        assert!(d.contains("    int m;\n};"), "{d}");
+        assert!(d.contains("    int m;\n    const int* choice;\n};"), "{d}");
         assert!(d.contains("static_assert(sizeof(DownParams) == 72,"), "{d}");
         assert!(
             d.contains("static_assert(sizeof(DownParams::m) == 4 && alignof(decltype(DownParams::m)) == 4,"),
