@@ -2,15 +2,16 @@
 //! best family found by timing every candidate in the same run.
 //!
 //! `cargo bench --bench dispatch -- [--report FILE] [--geometries qwen3-30b-a3b,...] [--formats
-//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--decode-max 64]`
+//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US] [--decode-max 64]`
 //!
 //! Each case times, as graph replays of four steps with fresh routing each (so the touched
 //! experts change and weights do not sit in L2 from one step to the next), warp decode alone
 //! (up to `--decode-max` tokens), the grouped GEMMs alone, the dispatched layer (`forward` with the
 //! dispatcher's models) and today's default before the dispatcher (the fixed 16-token threshold,
-//! taken from the first two). `--profile` first fits the models on this device (RaMP's grid: five
-//! token counts below the threshold times five routing skews, both families timed) and
-//! dispatches with them; without it the analytic fallback dispatches. Routing: uniform; skewed
+//! taken from the first two). `--profile` first fits the models on this device
+//! (`moe_runtime::dispatch::profile`, as `moe-jit profile` does) and dispatches with them; without
+//! it the analytic fallback (or a saved profile) dispatches. `--overhead US` overrides what the
+//! models take device dispatch to cost (0: the device chooses wherever routing can matter). Routing: uniform; skewed
 //! (each token's experts from the first eighth of the experts with probability 0.85); balanced
 //! (token t takes experts t k .. t k + k - 1 modulo E). Rows: `geometry`, `format`, `routing`,
 //! `m`, `chosen`, `chosen_us`, `best`, `best_us`, `regret_pct`, `default_us`, `vs_default_pct`,
@@ -18,7 +19,7 @@
 //! against the copy bandwidth measured in the same run), `model`, device, date.
 
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
-use moe_runtime::dispatch::{DispatchModel, Sample};
+use moe_runtime::dispatch::{DispatchModel, ModelSource};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{Device, MoeLayer, DEFAULT_PREFILL_THRESHOLD};
@@ -132,63 +133,6 @@ fn distinct(ids: &[i32]) -> u32 {
     v.len() as u32
 }
 
-/// Fit the dispatcher's models on this device: both families timed at five token counts below
-/// the threshold times five routing skews.
-fn profile(layer: &mut MoeLayer, spec: &MoeSpec) -> DispatchModel {
-    let mut samples = Vec::new();
-    for m in [2usize, 4, 8, 12, 15] {
-        let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * spec.hidden() as usize).unwrap();
-        for routing in ["0", "0.5", "0.85", "1", "few"] {
-            let st = steps(layer, spec, m, routing);
-            let families = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
-            let graphs: Vec<CudaGraph> =
-                families.iter().map(|&f| prepare(layer, Run::Family(f), &st, &mut y).0).collect();
-            let times = time_all(layer.stream(), &graphs.iter().collect::<Vec<_>>(), m);
-            // The graph's steps' mean counts stand for each step's.
-            let d = st.iter().map(|s| distinct(&s.host_ids)).sum::<u32>() / STEPS as u32;
-            let pairs = (m * spec.top_k() as usize) as u32;
-            for (family, us) in families.into_iter().zip(times) {
-                samples.push(Sample { family, m, distinct: d, pairs, us });
-            }
-        }
-    }
-    let mut model = DispatchModel::fit(&samples).unwrap();
-    // What choosing on the device costs: dispatched steps that the device must choose for, against
-    // the same steps on the family it chose.
-    let free = DispatchModel { overhead_us: 0.0, ..model };
-    let mut costs = Vec::new();
-    for m in [4usize, 8, 12] {
-        if free.fixed_choice(m, spec.top_k(), spec.experts()).is_some() {
-            continue;
-        }
-        let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * spec.hidden() as usize).unwrap();
-        for routing in ["0", "0.85"] {
-            let st = steps(layer, spec, m, routing);
-            let (gd, chosen) = prepare(layer, Run::Dispatched(free), &st, &mut y);
-            if chosen.iter().any(|&f| f != chosen[0]) {
-                continue;
-            }
-            let gf = prepare(layer, Run::Family(chosen[0]), &st, &mut y).0;
-            let t = time_all(layer.stream(), &[&gd, &gf], m);
-            costs.push((t[0] - t[1]) as f32);
-        }
-    }
-    if !costs.is_empty() {
-        costs.sort_by(f32::total_cmp);
-        model.overhead_us = costs[costs.len() / 2].max(0.0);
-    }
-    println!("device dispatch costs {costs:?} us: overhead_us = {}", model.overhead_us);
-    let worst = samples
-        .iter()
-        .map(|s| {
-            let c = if s.family == KernelFamily::GroupedGemm { model.grouped } else { model.decode };
-            (c.predict(s.distinct, s.pairs) as f64 / s.us - 1.0).abs()
-        })
-        .fold(0.0, f64::max);
-    println!("profile: {model:?}; worst prediction error {:.1}%", 100.0 * worst);
-    model
-}
-
 fn main() {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let args: Vec<String> = std::env::args().collect();
@@ -224,8 +168,20 @@ fn main() {
                 println!("{geo} {format}: no grouped family, nothing to dispatch");
                 continue;
             };
-            let model = if profiled { profile(&mut layer, &spec) } else { analytic };
-            let model_name = if profiled { "profile" } else { "analytic" };
+            let mut model = if profiled {
+                let p = moe_runtime::dispatch::profile(&mut layer).unwrap();
+                println!("profile: {:?} ({} samples)", p.model, p.samples.len());
+                p.model
+            } else {
+                analytic
+            };
+            if let Some(&o) = list::<f32>(&args, "--overhead").as_ref().and_then(|v| v.first()) {
+                model.overhead_us = o;
+            }
+            let model_name = match model.source {
+                ModelSource::Profile => "profile",
+                ModelSource::Analytic => "analytic",
+            };
             for &m in &ms {
                 let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * h as usize).unwrap();
                 for routing in &routings {

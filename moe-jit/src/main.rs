@@ -115,6 +115,17 @@ enum Cmd {
         #[arg(long)]
         jobs: Option<usize>,
     },
+    /// Fit the routing-aware dispatcher's cost models for each spec on GPU 0 (both families timed
+    /// at 5 token counts x 5 routings, with synthetic weights quantized to the spec's format) and
+    /// save them under the kernel cache, where `MoeLayer::load` picks them up for this GPU, spec
+    /// and moeforge version. About 10-20 s a spec on an H100-class GPU plus its compiles.
+    Profile {
+        #[command(flatten)]
+        spec: SpecFlags,
+        /// A JSON array of specs instead of the flags, as `warm` takes.
+        #[arg(long, conflicts_with_all = ["hidden", "intermediate", "experts", "top_k", "format", "act_dtype", "activation", "dequant"])]
+        specs: Option<PathBuf>,
+    },
     /// The on-disk kernel cache (--cache-dir, else $MOEFORGE_CACHE_DIR, else the XDG cache dir).
     /// list, stats and verify exit non-zero when an entry is corrupt.
     Cache {
@@ -151,6 +162,7 @@ struct SpecArgs {
 /// Exit status of a command used wrongly (bad flags, an invalid spec, an empty selection).
 const USAGE: u8 = 2;
 
+mod profile;
 mod warm;
 
 /// `warm`'s spec: the fields of one spec, as flags (and as the keys of `--specs`' objects).
@@ -348,6 +360,13 @@ fn main() -> ExitCode {
             let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
             warm::warm(&cache, &specs, &arch, jobs.max(1))
         }
+        Cmd::Profile { spec, specs } => match specs.map_or_else(|| spec.specs(), |f| specs_from_file(&f)) {
+            Ok(specs) => profile::profile(&cache, &specs),
+            Err(msg) => {
+                eprintln!("moe-jit profile: {msg}");
+                ExitCode::from(USAGE)
+            }
+        },
         Cmd::Cache { op } => cache_op(&cache, op),
     }
 }

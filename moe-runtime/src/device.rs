@@ -62,6 +62,10 @@ impl Device {
         Ok(Device { ctx, stream, arch, sms, max_smem_optin, dram_gbps, cache: DiskCache::open_default() })
     }
 
+    /// The kernel cache's folder (dispatch profiles live under it too).
+    pub fn cache_dir(&self) -> &std::path::Path {
+        self.cache.dir()
+    }
     /// Use another kernel cache directory (tests, the CLI).
     pub fn with_cache(mut self, cache: DiskCache) -> Device {
         self.cache = cache;

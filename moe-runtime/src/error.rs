@@ -88,6 +88,9 @@ pub enum RuntimeError {
         /// The step's number of tokens.
         m: usize,
     },
+    /// The dispatch profile could not be fitted (its timed steps do not determine the models).
+    #[error("dispatch profile: {0}")]
+    Profile(String),
     /// A grouped step's results were asked for before any grouped step ran.
     #[error("no grouped step has run on this layer yet")]
     NoStepYet,

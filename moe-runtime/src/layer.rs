@@ -208,7 +208,7 @@ impl MoeLayer {
             decode,
             grouped,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
-            dispatch: grouped_ok.then(|| DispatchModel::analytic(&kspec, device.dram_gbps())),
+            dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)),
             choice: stream.alloc_zeros::<i32>(8)?,
             side: stream.context().new_stream()?,
             last_plan: Mutex::new(None),
@@ -302,6 +302,11 @@ impl MoeLayer {
     pub fn set_prefill_threshold(&mut self, tokens: usize) {
         self.prefill_threshold = tokens.max(1);
         self.dispatch = None;
+    }
+
+    /// The token count from which steps take the grouped GEMMs.
+    pub fn prefill_threshold(&self) -> usize {
+        self.prefill_threshold
     }
 
     /// The routing-aware dispatcher's models, or `None` for the fixed threshold. Below the
@@ -698,13 +703,46 @@ impl MoeLayer {
                 let p = StepPtrs { choice, ..*p };
                 // The two families on two streams (a fork and a join, which graph capture keeps),
                 // so the one not chosen exits beside the chosen one rather than in its path.
-                let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-                self.side.wait(&stream.record_event(no_timing)?)?;
-                g.forward(&self.side, &self.kspec, m, &p, self.deterministic)?;
-                self.decode.forward(stream, &self.kspec, m, &p)?;
-                stream.wait(&self.side.record_event(no_timing)?)?;
+                let mode = std::env::var("MOEFORGE_DISPATCH_MODE").unwrap_or_default();
+                match mode.as_str() {
+                    "seq_dg" => {
+                        self.decode.forward(stream, &self.kspec, m, &p)?;
+                        g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
+                    }
+                    "seq_gd" => {
+                        g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
+                        self.decode.forward(stream, &self.kspec, m, &p)?;
+                    }
+                    "only_decode" => self.decode.forward(stream, &self.kspec, m, &p)?,
+                    "only_grouped" => g.forward(stream, &self.kspec, m, &p, self.deterministic)?,
+                    _ => {
+                        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+                        self.side.wait(&stream.record_event(no_timing)?)?;
+                        g.forward(&self.side, &self.kspec, m, &p, self.deterministic)?;
+                        self.decode.forward(stream, &self.kspec, m, &p)?;
+                        stream.wait(&self.side.record_event(no_timing)?)?;
+                    }
+                }
                 Ok(())
             }
+        }
+    }
+}
+
+/// The dispatcher's models for a layer: the profile saved for this GPU, spec and version under the
+/// kernel cache (`moe-jit profile`), else the analytic fallback. A profile that cannot be read is
+/// reported and passed over, as a corrupt kernel cache entry is.
+fn dispatch_model_for(device: &Device, spec: &MoeSpec, kspec: &MoeSpec) -> DispatchModel {
+    match crate::dispatch::DispatchProfile::load(device.cache_dir(), &device.name(), spec) {
+        Ok(Some(p)) => {
+            tracing::info!(model = ?p.model, "dispatch profile loaded");
+            p.model
+        }
+        Ok(None) => DispatchModel::analytic(kspec, device.dram_gbps()),
+        Err(e) => {
+            tracing::warn!(%e, "dispatch profile passed over; the analytic models dispatch");
+            eprintln!("moeforge: {e}; dispatching with the analytic models");
+            DispatchModel::analytic(kspec, device.dram_gbps())
         }
     }
 }

@@ -21,12 +21,12 @@ pub mod jit;
 mod launch;
 pub mod layer;
 // Helpers for tests, benches and examples, not for the library: the CPU reference, random
-// weights and steps, timing on the device (feature `testing`, which brings in rand).
+// weights and steps (feature `testing`, which brings in rand).
 #[cfg(feature = "testing")]
 pub mod reference;
 #[cfg(feature = "testing")]
 pub mod testing;
-#[cfg(feature = "testing")]
+// CUDA-graph timing on the device: the dispatch profile needs it too.
 pub mod timing;
 mod tma;
 pub mod toolkit;

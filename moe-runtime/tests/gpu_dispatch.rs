@@ -168,3 +168,34 @@ fn one_graph_follows_the_routing_of_each_replay() {
     assert_eq!(layer.family_for(m), Some(KernelFamily::WarpDecode));
     assert!(layer.dispatch_model().is_none());
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
+    let cache = tempfile::tempdir().unwrap();
+    // The kernel cache (and so the profile's folder) of this test only; modules compile anew.
+    let dev = gpu().with_cache(moe_runtime::DiskCache::new(cache.path()));
+    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    assert_eq!(layer.dispatch_model().unwrap().source, ModelSource::Analytic);
+    let start = std::time::Instant::now();
+    let p = moe_runtime::dispatch::profile(&mut layer).unwrap();
+    println!("profile in {:.1} s: {:?}", start.elapsed().as_secs_f64(), p.model);
+    // The layer's own dispatcher is left as it was.
+    assert_eq!(layer.dispatch_model().unwrap().source, ModelSource::Analytic);
+    assert_eq!(p.samples.len(), 50);
+    for s in &p.samples {
+        let c = if s.family == KernelFamily::GroupedGemm { p.model.grouped } else { p.model.decode };
+        let err = (c.predict(s.distinct, s.pairs) as f64 / s.us - 1.0).abs();
+        assert!(err < 0.3, "{s:?}: predicted {} us", c.predict(s.distinct, s.pairs));
+    }
+    assert!(p.model.overhead_us >= 0.0 && p.model.overhead_us < 50.0, "{:?}", p.model);
+    let path = p.save(dev.cache_dir(), &spec).unwrap();
+    let again = MoeLayer::load(&dev, spec, &w).unwrap();
+    assert_eq!(again.dispatch_model(), Some(p.model), "{}", path.display());
+    // A corrupt profile is passed over (reported), not used.
+    std::fs::write(&path, "{\"device\": 1").unwrap();
+    let third = MoeLayer::load(&dev, spec, &w).unwrap();
+    assert_eq!(third.dispatch_model().unwrap().source, ModelSource::Analytic);
+}
