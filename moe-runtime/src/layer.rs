@@ -89,9 +89,6 @@ pub struct MoeLayer {
     dispatch: Option<DispatchModel>,
     /// `moe_choose`'s output: the family, the counts and the predictions (`Choice`).
     choice: CudaSlice<i32>,
-    /// Where a dispatched step's grouped kernels run, beside warp decode's: the family not
-    /// chosen then returns at once off the chosen one's path.
-    side: Arc<CudaStream>,
     /// The last step's token count and its family where the host chose it.
     last_plan: Mutex<Option<(usize, Option<KernelFamily>)>>,
     deterministic: bool,
@@ -210,7 +207,6 @@ impl MoeLayer {
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
             dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)),
             choice: stream.alloc_zeros::<i32>(8)?,
-            side: stream.context().new_stream()?,
             last_plan: Mutex::new(None),
             deterministic: true,
             router_bias: stream.alloc_zeros::<f32>(spec.experts() as usize)?,
@@ -701,28 +697,11 @@ impl MoeLayer {
                 let choice = ptr(&self.choice, &self.stream);
                 g.choose(stream, m, p.ids, &model, choice)?;
                 let p = StepPtrs { choice, ..*p };
-                // The two families on two streams (a fork and a join, which graph capture keeps),
-                // so the one not chosen exits beside the chosen one rather than in its path.
-                let mode = std::env::var("MOEFORGE_DISPATCH_MODE").unwrap_or_default();
-                match mode.as_str() {
-                    "seq_dg" => {
-                        self.decode.forward(stream, &self.kspec, m, &p)?;
-                        g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
-                    }
-                    "seq_gd" => {
-                        g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
-                        self.decode.forward(stream, &self.kspec, m, &p)?;
-                    }
-                    "only_decode" => self.decode.forward(stream, &self.kspec, m, &p)?,
-                    "only_grouped" => g.forward(stream, &self.kspec, m, &p, self.deterministic)?,
-                    _ => {
-                        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-                        self.side.wait(&stream.record_event(no_timing)?)?;
-                        g.forward(&self.side, &self.kspec, m, &p, self.deterministic)?;
-                        self.decode.forward(stream, &self.kspec, m, &p)?;
-                        stream.wait(&self.side.record_event(no_timing)?)?;
-                    }
-                }
+                // One stream: the grouped kernels first, then warp decode's. Run on two streams
+                // (forked and joined) or in the other order, the dispatched steps measured the same
+                // within noise (H100, docs/dispatch.md).
+                g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
+                self.decode.forward(stream, &self.kspec, m, &p)?;
                 Ok(())
             }
         }
