@@ -329,3 +329,27 @@ fn warm_refuses_an_invalid_spec() {
     }
     assert!(DiskCache::new(dir.path()).list().unwrap().is_empty(), "an invalid spec compiled something");
 }
+
+#[test]
+fn profile_refuses_an_invalid_spec_and_a_machine_without_a_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let spec = ["--hidden", "256", "--intermediate", "128", "--experts", "8"];
+    let out = moe_jit(&[&["--cache-dir", d, "profile"][..], &spec, &["--top-k", "16"]].concat());
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("top_k = 16 exceeds experts = 8"), "{stderr}");
+    let out = moe_jit(&[&["--cache-dir", d, "profile"][..], &spec].concat());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out).1);
+    // A valid spec: profiled on a GPU; without one, a clear failure and no profile written.
+    let out = moe_jit(&[&["--cache-dir", d, "profile"][..], &spec, &["--top-k", "2"]].concat());
+    let (stdout, stderr) = text(&out);
+    if moe_runtime::Device::new(0).is_err() {
+        assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+        assert!(stderr.contains("needs an NVIDIA GPU"), "{stderr}");
+        assert!(!dir.path().join("profiles").exists());
+    } else {
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(stdout.contains("h256_i128_e8_k2_bf16_bf16_silu"), "{stdout}");
+    }
+}
