@@ -304,10 +304,13 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     for m in PROFILE_TOKENS {
         for r in ROUTINGS {
             let st = steps(layer, &mut g, r, m)?;
-            let distinct = st.iter().map(|s| s.distinct).sum::<u32>() / STEPS as u32;
+            // As moe_choose counts them: the shared experts' slots too (`MoeSpec::kernel_spec`).
+            let shared = spec.shared_experts();
+            let distinct = st.iter().map(|s| s.distinct).sum::<u32>() / STEPS as u32 + shared;
+            let pairs = (m * (spec.top_k() + shared) as usize) as u32;
             for family in [KernelFamily::WarpDecode, KernelFamily::GroupedGemm] {
                 let us = time(layer, Some(family), &st)?;
-                samples.push(Sample { family, m, distinct, pairs: (m * spec.top_k() as usize) as u32, us });
+                samples.push(Sample { family, m, distinct, pairs, us });
             }
         }
     }
@@ -318,7 +321,8 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     layer.set_dispatch_model(Some(free));
     let mut costs = Vec::new();
     for m in [4usize, 8, 12] {
-        if free.fixed_choice(m, spec.top_k(), spec.experts()).is_some() {
+        let k = spec.kernel_spec();
+        if free.fixed_choice(m, k.top_k(), k.experts()).is_some() {
             continue;
         }
         for r in [Routing::Skew(0.0), Routing::Skew(0.85)] {
