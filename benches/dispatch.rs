@@ -2,7 +2,7 @@
 //! best family found by timing every candidate in the same run.
 //!
 //! `cargo bench --bench dispatch -- [--report FILE] [--geometries qwen3-30b-a3b,...] [--formats
-//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US] [--decode-max 64]`
+//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US] [--decode-max 64] [--isolate]`
 //!
 //! Each case times, as graph replays of four steps with fresh routing each (so the touched
 //! experts change and weights do not sit in L2 from one step to the next), warp decode alone
@@ -96,7 +96,19 @@ fn prepare(layer: &mut MoeLayer, run: Run, steps: &[Step], y: &mut CudaSlice<Bf>
     let m = y.len() / layer.spec().hidden() as usize;
     layer.reserve(m).unwrap();
     let s = layer.stream().clone();
-    let g = capture(&s, || steps.iter().try_for_each(|st| layer.forward(&st.x, &st.ids, &st.w, y))).unwrap();
+    // `--isolate`: a 4-byte memset before each step, as another layer's kernels would sit there, so
+    // no step overlaps the one before it (programmatic dependent launch chains back-to-back steps).
+    let isolate = std::env::args().any(|a| a == "--isolate");
+    let mut fence = s.alloc_zeros::<u8>(4).unwrap();
+    let g = capture(&s, || {
+        steps.iter().try_for_each(|st| {
+            if isolate {
+                s.memset_zeros(&mut fence)?;
+            }
+            layer.forward(&st.x, &st.ids, &st.w, y)
+        })
+    })
+    .unwrap();
     let families = steps
         .iter()
         .map(|st| {
