@@ -322,8 +322,8 @@ impl MoeLayer {
     }
 
     /// What ran the last step: the family, who chose it and, where the device did, what it
-    /// counted and predicted. Reads the device's choice back (syncs the layer's stream), and
-    /// emits it as a `tracing` event.
+    /// counted and predicted. Reads the device's choice back (synchronizes the context: the step
+    /// may have run on a caller's stream), and emits it as a `tracing` event.
     pub fn last_choice(&self) -> Result<Choice> {
         let (m, fixed) = (*self.last_plan.lock().unwrap_or_else(|p| p.into_inner())).ok_or(RuntimeError::NoStepYet)?;
         let choice = match fixed {
@@ -337,6 +337,7 @@ impl MoeLayer {
                 predicted_grouped_us: 0.0,
             },
             None => {
+                self.stream.context().synchronize()?;
                 let c = self.stream.clone_dtoh(&self.choice)?;
                 Choice {
                     family: if c[0] == 1 { KernelFamily::GroupedGemm } else { KernelFamily::WarpDecode },
