@@ -288,6 +288,34 @@ fn time(layer: &MoeLayer, family: Option<KernelFamily>, steps: &[Step]) -> Resul
     Ok(time_graph(layer.stream(), &g, 20)? / STEPS as f64)
 }
 
+/// What choosing on the device costs, us: dispatched steps whose choice the routing decides,
+/// against the same steps on the family chosen (the layer dispatches with `free`).
+fn dispatch_costs(layer: &mut MoeLayer, g: &mut Gen, free: DispatchModel) -> Result<Vec<f32>> {
+    let spec = *layer.spec();
+    let k = spec.kernel_spec();
+    let mut costs = Vec::new();
+    for m in [4usize, 8, 12] {
+        if free.fixed_choice(m, k.top_k(), k.experts()).is_some() {
+            continue;
+        }
+        for r in [Routing::Skew(0.0), Routing::Skew(0.85)] {
+            let st = steps(layer, g, r, m)?;
+            let mut chosen = Vec::new();
+            for s in st.chunks(1) {
+                match spec.act_dtype() {
+                    ActDtype::Bf16 => enqueue::<half::bf16>(layer, None, s)?,
+                    ActDtype::Fp16 => enqueue::<half::f16>(layer, None, s)?,
+                }
+                chosen.push(layer.last_choice()?.family);
+            }
+            if chosen.iter().all(|&f| f == chosen[0]) {
+                costs.push((time(layer, None, &st)? - time(layer, Some(chosen[0]), &st)?) as f32);
+            }
+        }
+    }
+    Ok(costs)
+}
+
 /// Time both families over the profile's grid on this GPU with the layer's weights, fit the
 /// dispatcher's models and measure what choosing on the device costs. The layer's threshold and
 /// dispatcher are restored, not changed: set the result with `set_dispatch_model` (or save it,
@@ -319,29 +347,11 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     let free = DispatchModel { overhead_us: 0.0, ..fit };
     layer.set_prefill_threshold(DEFAULT_PREFILL_THRESHOLD);
     layer.set_dispatch_model(Some(free));
-    let mut costs = Vec::new();
-    for m in [4usize, 8, 12] {
-        let k = spec.kernel_spec();
-        if free.fixed_choice(m, k.top_k(), k.experts()).is_some() {
-            continue;
-        }
-        for r in [Routing::Skew(0.0), Routing::Skew(0.85)] {
-            let st = steps(layer, &mut g, r, m)?;
-            let mut chosen = Vec::new();
-            for s in st.chunks(1) {
-                match spec.act_dtype() {
-                    ActDtype::Bf16 => enqueue::<half::bf16>(layer, None, s)?,
-                    ActDtype::Fp16 => enqueue::<half::f16>(layer, None, s)?,
-                }
-                chosen.push(layer.last_choice()?.family);
-            }
-            if chosen.iter().all(|&f| f == chosen[0]) {
-                costs.push((time(layer, None, &st)? - time(layer, Some(chosen[0]), &st)?) as f32);
-            }
-        }
-    }
+    let measured = dispatch_costs(layer, &mut g, free);
+    // The layer's own settings back, whatever the measurement gave.
     layer.set_prefill_threshold(threshold);
     layer.set_dispatch_model(before);
+    let mut costs = measured?;
     costs.sort_by(f32::total_cmp);
     let overhead_us = costs.get(costs.len() / 2).map_or(fit.overhead_us, |c| c.max(0.0));
     let device = layer.stream().context().name().unwrap_or_else(|_| "unknown".into());
