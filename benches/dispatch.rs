@@ -105,18 +105,26 @@ fn prepare(layer: &mut MoeLayer, run: Run, steps: &[Step], y: &mut CudaSlice<Bf>
             if isolate {
                 s.memset_zeros(&mut fence)?;
             }
-            layer.forward(&st.x, &st.ids, &st.w, y)
+            forward(layer, run, st, y)
         })
     })
     .unwrap();
     let families = steps
         .iter()
         .map(|st| {
-            layer.forward(&st.x, &st.ids, &st.w, y).unwrap();
+            forward(layer, run, st, y).unwrap();
             layer.last_choice().unwrap().family
         })
         .collect();
     (g, families)
+}
+
+/// One step as `run` says: the family named, or the layer's own choice.
+fn forward(layer: &MoeLayer, run: Run, st: &Step, y: &mut CudaSlice<Bf>) -> moe_runtime::Result<()> {
+    match run {
+        Run::Family(f) => layer.forward_family(f, &st.x, &st.ids, &st.w, y),
+        Run::Dispatched(_) => layer.forward(&st.x, &st.ids, &st.w, y),
+    }
 }
 
 /// Median microseconds per step of each graph: three interleaved rounds (clocks drift between
@@ -145,6 +153,46 @@ fn distinct(ids: &[i32]) -> u32 {
     v.len() as u32
 }
 
+/// `--fused-tiles`: the fused family alone with each set of tiles (warps, bi, ntok, max_tokens,
+/// depth, prefetch 0 / 1), every M and routing, printed (no report rows).
+fn fused_sweep(
+    dev: &Device,
+    layer: &mut MoeLayer,
+    spec: &MoeSpec,
+    sets: &[Vec<u32>],
+    ms: &[usize],
+    routings: &[String],
+    copy: f64,
+) {
+    let h = spec.hidden() as usize;
+    for t in sets {
+        let [warps, bi, ntok, max_tokens, depth, prefetch] = t[..] else {
+            panic!("--fused-tiles wants 6 numbers a set: {t:?}")
+        };
+        let tiles = moe_codegen::FusedTiles { warps, bi, ntok, max_tokens, depth, prefetch: prefetch != 0 };
+        if let Err(e) = layer.set_fused_tiles(dev, tiles) {
+            println!("{tiles:?}: {e}");
+            continue;
+        }
+        for &m in ms {
+            let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * h).unwrap();
+            for routing in routings {
+                let st = steps(layer, spec, m, routing);
+                let (g, _) = prepare(layer, Run::Family(KernelFamily::Fused), &st, &mut y);
+                let us = time_all(layer.stream(), &[&g], m)[0];
+                let bytes: f64 =
+                    st.iter().map(|s| (distinct(&s.host_ids) as usize * spec.expert_bytes()) as f64).sum::<f64>()
+                        / STEPS as f64;
+                let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / copy;
+                println!(
+                    "fused w{warps} bi{bi} nt{ntok} mt{max_tokens} d{depth} p{prefetch} {} {routing:<8} m={m:<4} {us:>8.1} us {pct:>5.1}% of copy",
+                    spec.weight_format()
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let args: Vec<String> = std::env::args().collect();
@@ -155,6 +203,15 @@ fn main() {
     let routings: Vec<String> =
         list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into(), "balanced".into()]);
     let decode_max = list::<usize>(&args, "--decode-max").and_then(|v| v.first().copied()).unwrap_or(64);
+    // `--fused-tiles warps,bi,ntok,max_tokens,depth,prefetch[;...]`: only the fused family, with each set.
+    let fused_tiles: Vec<Vec<u32>> = args
+        .iter()
+        .position(|a| a == "--fused-tiles")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.split(';').map(|t| t.split(',').filter_map(|n| n.parse().ok()).collect()).collect())
+        .unwrap_or_default();
+    // The fused family is timed up to this many tokens (`--fused-max`).
+    let fused_max = list::<usize>(&args, "--fused-max").and_then(|v| v.first().copied()).unwrap_or(256);
     let profiled = args.iter().any(|a| a == "--profile");
     let dev = Device::new(0).unwrap_or_else(|e| {
         eprintln!("dispatch bench needs an NVIDIA GPU: {e}");
@@ -176,6 +233,10 @@ fn main() {
             let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
             drop(w);
             layer.set_validate_routing(false);
+            if !fused_tiles.is_empty() {
+                fused_sweep(&dev, &mut layer, &spec, &fused_tiles, &ms, &routings, copy);
+                continue;
+            }
             let Some(analytic) = layer.dispatch_model() else {
                 println!("{geo} {format}: no grouped family, nothing to dispatch");
                 continue;
@@ -199,24 +260,36 @@ fn main() {
                 for routing in &routings {
                     let st = steps(&layer, &spec, m, routing);
                     let mut runs = vec![Run::Dispatched(model), Run::Family(KernelFamily::GroupedGemm)];
-                    if m <= decode_max {
+                    let with_decode = m <= decode_max;
+                    if with_decode {
                         runs.push(Run::Family(KernelFamily::WarpDecode));
+                    }
+                    let with_fused = m <= fused_max && layer.fused_available().is_ok();
+                    if with_fused {
+                        runs.push(Run::Family(KernelFamily::Fused));
                     }
                     let prepared: Vec<(CudaGraph, Vec<KernelFamily>)> =
                         runs.iter().map(|&r| prepare(&mut layer, r, &st, &mut y)).collect();
                     let graphs: Vec<&CudaGraph> = prepared.iter().map(|p| &p.0).collect();
                     let times = time_all(layer.stream(), &graphs, m);
-                    let (us, grouped, decode) = (times[0], times[1], times.get(2).copied());
+                    let (us, grouped) = (times[0], times[1]);
+                    let decode = with_decode.then(|| times[2]);
+                    let fused = with_fused.then(|| times[times.len() - 1]);
                     let chosen = &prepared[0].1;
-                    let (best, best_us) = match decode {
-                        Some(d) if d < grouped => (KernelFamily::WarpDecode, d),
-                        _ => (KernelFamily::GroupedGemm, grouped),
-                    };
+                    let (best, best_us) = [
+                        Some((KernelFamily::GroupedGemm, grouped)),
+                        decode.map(|d| (KernelFamily::WarpDecode, d)),
+                        fused.map(|f| (KernelFamily::Fused, f)),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .fold((KernelFamily::GroupedGemm, f64::INFINITY), |b, c| if c.1 < b.1 { c } else { b });
                     let default_us = if m < DEFAULT_PREFILL_THRESHOLD { decode.unwrap_or(f64::NAN) } else { grouped };
                     let regret = 100.0 * (us / best_us - 1.0);
                     regrets.push(regret);
                     let grouped_steps = chosen.iter().filter(|&&f| f == KernelFamily::GroupedGemm).count();
                     let chosen_name = match grouped_steps {
+                        _ if chosen.iter().all(|&f| f == KernelFamily::Fused) => "fused".to_string(),
                         0 => "warp_decode".to_string(),
                         n if n == STEPS => "grouped_gemm".to_string(),
                         n => format!("mixed ({n} of {STEPS} grouped)"),
@@ -258,6 +331,7 @@ fn main() {
                             "regret_pct": r2(regret),
                             "grouped_us": r2(grouped),
                             "decode_us": decode.map_or(serde_json::Value::Null, r2),
+                            "fused_us": fused.map_or(serde_json::Value::Null, r2),
                             "default_us": r2(default_us),
                             "vs_default_pct": r2(100.0 * (us / default_us - 1.0)),
                             "pct_of_copy": r2(pct_copy),

@@ -30,16 +30,16 @@
 //! let spec = moeforge::MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
 //! assert_eq!(spec, Qwen3Moe::SPEC);
 //!
-//! // `families` left out: every family the spec supports (warp decode, and the grouped GEMMs
-//! // for bf16, fp16 and fp8 weights the geometry fits).
-//! assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
-//! assert_eq!(Olmoe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+//! // `families` left out: every family the spec supports (warp decode, the grouped GEMMs and
+//! // the fused kernel, for every format the geometry fits).
+//! assert_eq!(Qwen3Moe::FAMILIES, &KernelFamily::ALL);
+//! assert_eq!(Olmoe::FAMILIES, &KernelFamily::ALL);
 //!
 //! // Every (family, arch) was rendered when the macro expanded.
 //! for &(family, arch, name, source) in Qwen3Moe::SOURCES {
 //!     println!("{family} {arch}: {name}, {} bytes", source.len());
 //! }
-//! assert_eq!(Qwen3Moe::SOURCES.len(), 2 * 3);
+//! assert_eq!(Qwen3Moe::SOURCES.len(), 3 * 3);
 //! let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm100a).unwrap();
 //! assert_eq!(k, moeforge::render(&spec, KernelFamily::WarpDecode, Arch::Sm100a).unwrap());
 //! assert!(Olmoe::kernel_source(KernelFamily::WarpDecode, Arch::Sm100a).is_none());

@@ -73,6 +73,7 @@ pub fn render_ep(spec: &MoeSpec, arch: Arch) -> Result<KernelSource, CodegenErro
         block_threads: EP_ROW_THREADS,
         decode_tiles: None,
         grouped_tiles: None,
+        fused_tiles: None,
     })
 }
 

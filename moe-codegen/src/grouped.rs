@@ -564,6 +564,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         block_threads: tiles.gemm_threads(),
         decode_tiles: None,
         grouped_tiles: Some(tiles),
+        fused_tiles: None,
     })
 }
 

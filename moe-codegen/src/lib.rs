@@ -8,6 +8,7 @@
 pub mod dequant;
 pub mod ep;
 pub mod format;
+pub mod fused;
 pub mod grouped;
 pub mod heuristics;
 pub mod numerics;
@@ -19,6 +20,7 @@ pub mod spec;
 pub use dequant::DequantVariant;
 pub use ep::{render_ep, EP_MAX_RANKS};
 pub use format::{Codec, Packed, QuantError, ScaleLayout, WeightFormat};
+pub use fused::{fused_smem_bytes, fused_support, render_fused, FusedTiles};
 pub use grouped::{grouped_support, render_grouped, GemmTiles, Mma};
 pub use render::{
     bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, dequant_variants, family_supports,

@@ -258,6 +258,33 @@ kernel_params! {
     }
 }
 
+kernel_params! {
+    /// `moe_fused`: the whole step in one cooperative launch (the fused family, `fused.cu`).
+    FusedParams {
+        x: u64 = "const act_t* __restrict__",
+        topk_ids: u64 = "const int* __restrict__",
+        topk_weights: u64 = "const float* __restrict__",
+        w13: u64 = "const unsigned char* __restrict__",
+        w13_scales: u64 = "const void* __restrict__",
+        w13_bias: u64 = "const float* __restrict__",
+        w2: u64 = "const unsigned char* __restrict__",
+        w2_scales: u64 = "const void* __restrict__",
+        w2_bias: u64 = "const float* __restrict__",
+        mid: u64 = "act_t* __restrict__",
+        y: u64 = "act_t* __restrict__",
+        done: u64 = "int* __restrict__",
+        finished: u64 = "int* __restrict__",
+        err: u64 = "int* __restrict__",
+        choice: u64 = "const int* __restrict__",
+        m: i32 = "int",
+    }
+}
+
+/// The declarations the fused family's module needs.
+pub fn fused_decls() -> String {
+    FusedParams::c_decl()
+}
+
 /// The declarations warp decode's module needs, in dependency order.
 pub fn decode_decls() -> String {
     [

@@ -220,6 +220,9 @@ pub struct KernelSource {
     /// The tiles a grouped module was rendered with (None for the other families): the host
     /// sizes its buffers and grids from them.
     pub grouped_tiles: Option<grouped::GemmTiles>,
+    /// The tiles a fused module was rendered with (None for the other families): the host sizes
+    /// its scratch and launches from them.
+    pub fused_tiles: Option<crate::fused::FusedTiles>,
 }
 
 static RENDERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -284,13 +287,14 @@ pub fn render(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Result<Kernel
     match family {
         KernelFamily::WarpDecode => render_warp_decode(spec, arch, DecodeTiles::for_spec(spec)),
         KernelFamily::GroupedGemm => grouped::render_grouped(spec, arch, grouped::GemmTiles::for_spec(spec, arch)),
+        KernelFamily::Fused => crate::fused::render_fused(spec, arch, crate::fused::FusedTiles::for_spec(spec)),
     }
 }
 
 /// The module name: the family, the spec's id without its dequant suffix, and the variant used when
 /// the format has several. A spec naming its format's default and one naming nothing get the
 /// same name, and the same source (so one cache entry).
-fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) -> String {
+pub(crate) fn module_name(family: KernelFamily, spec: &MoeSpec, variant: DequantVariant) -> String {
     let id = spec.id();
     let base = match spec.dequant() {
         Some(d) => id.strip_suffix(&format!("_{d}")).unwrap_or(&id).to_string(),
@@ -414,6 +418,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         block_threads: tiles.warps * 32,
         decode_tiles: Some(tiles),
         grouped_tiles: None,
+        fused_tiles: None,
     })
 }
 
@@ -459,6 +464,7 @@ pub fn render_dequant_probe(
         block_threads: PROBE_THREADS,
         decode_tiles: None,
         grouped_tiles: None,
+        fused_tiles: None,
     })
 }
 
@@ -468,6 +474,7 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
     match family {
         KernelFamily::WarpDecode => DecodeTiles::for_spec(spec).warps * 32,
         KernelFamily::GroupedGemm => grouped::GemmTiles::for_spec(spec, arch).gemm_threads(),
+        KernelFamily::Fused => crate::fused::FusedTiles::for_spec(spec).warps * 32,
     }
 }
 
@@ -476,7 +483,7 @@ pub fn block_threads(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> u32 {
 pub fn decode_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<DecodeTiles> {
     match family {
         KernelFamily::WarpDecode => Some(DecodeTiles::for_spec(spec)),
-        KernelFamily::GroupedGemm => None,
+        KernelFamily::GroupedGemm | KernelFamily::Fused => None,
     }
 }
 
@@ -484,9 +491,15 @@ pub fn decode_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<DecodeTiles>
 /// [`KernelSource::grouped_tiles`].
 pub fn grouped_tiles(spec: &MoeSpec, family: KernelFamily, arch: Arch) -> Option<grouped::GemmTiles> {
     match family {
-        KernelFamily::WarpDecode => None,
+        KernelFamily::WarpDecode | KernelFamily::Fused => None,
         KernelFamily::GroupedGemm => Some(grouped::GemmTiles::for_spec(spec, arch)),
     }
+}
+
+/// The fused tiles of a family's module for a spec: what [`render`] puts in
+/// [`KernelSource::fused_tiles`].
+pub fn fused_tiles(spec: &MoeSpec, family: KernelFamily) -> Option<crate::fused::FusedTiles> {
+    (family == KernelFamily::Fused).then(|| crate::fused::FusedTiles::for_spec(spec))
 }
 
 /// The names of warp decode's entry points, in one place for the renderer's list and the
@@ -523,6 +536,7 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
             .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
             .collect(),
         KernelFamily::GroupedGemm => grouped::entry_points(),
+        KernelFamily::Fused => vec![crate::fused::ENTRY.to_string()],
     }
 }
 
@@ -657,6 +671,7 @@ pub fn family_supports(family: KernelFamily, spec: &MoeSpec) -> bool {
     match family {
         KernelFamily::WarpDecode => true,
         KernelFamily::GroupedGemm => grouped::grouped_support(spec).is_ok(),
+        KernelFamily::Fused => crate::fused::fused_support(spec).is_ok(),
     }
 }
 
@@ -750,8 +765,11 @@ mod tests {
             // gpt-oss-20b's 2880 is no multiple of 128: no g128 formats, no 128x128 blocks.
             let formats = if name == "gpt-oss-20b" { WeightFormat::ALL.len() - 4 } else { WeightFormat::ALL.len() };
             // The grouped family takes every format the spec accepts (per-channel fp8 at
-            // gpt-oss-20b's 2880 decoded in registers).
-            assert_eq!(v.len(), 2 * formats, "{name}");
+            // gpt-oss-20b's 2880 decoded in registers); the fused family every one whose K comes
+            // in whole chunks (4-bit codes take 128 a chunk: 2880 has none of its 8 left).
+            let fused = if name == "gpt-oss-20b" { formats - 8 } else { formats };
+            assert_eq!(v.len(), 2 * formats + fused, "{name}");
+            assert_eq!(v.iter().filter(|(_, f)| *f == KernelFamily::Fused).count(), fused, "{name}");
             for (spec, fam) in v {
                 for arch in Arch::ALL {
                     render(&spec, fam, arch).unwrap();

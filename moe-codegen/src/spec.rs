@@ -214,16 +214,20 @@ pub enum KernelFamily {
     /// Prefill: route, align tokens into expert-contiguous tiles, grouped tensor-core GEMMs
     /// (SwiGLU fused into the first, routing weights and the combine into the second).
     GroupedGemm,
+    /// Mid-size steps: up-projection, activation and down-projection in one cooperative launch
+    /// on tensor cores, the intermediate kept in L2.
+    Fused,
 }
 
 impl KernelFamily {
     /// Every kernel family.
-    pub const ALL: [KernelFamily; 2] = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
-    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`warp_decode`, `grouped_gemm`).
+    pub const ALL: [KernelFamily; 3] = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::Fused];
+    /// The name `#[moe_kernel]`, `FromStr` and `Display` use (`warp_decode`, `grouped_gemm`, `fused`).
     pub const fn name(self) -> &'static str {
         match self {
             KernelFamily::WarpDecode => "warp_decode",
             KernelFamily::GroupedGemm => "grouped_gemm",
+            KernelFamily::Fused => "fused",
         }
     }
 }
@@ -250,7 +254,7 @@ macro_rules! named_enum_parse {
 named_enum_parse!(Activation, "activation", "silu, gelu_tanh, swiglu_oai");
 named_enum_parse!(ActDtype, "activation dtype", "bf16, fp16");
 named_enum_parse!(Arch, "arch", "sm_90a, sm_100a, sm_120a");
-named_enum_parse!(KernelFamily, "kernel family", "warp_decode, grouped_gemm");
+named_enum_parse!(KernelFamily, "kernel family", "warp_decode, grouped_gemm, fused");
 
 /// The geometry and number formats of one MoE layer. Construct with [`MoeSpec::new`] or
 /// [`MoeSpec::builder`]; a value of this type is always valid.

@@ -95,7 +95,7 @@ __device__ __forceinline__ void pdl_wait() {
 
 // The dispatcher (moe_choose) launches every candidate family of a step and writes which one runs;
 // the others' kernels return at once. `choice` is null where the host chose the family.
-constexpr int FAMILY_WARP_DECODE = 0, FAMILY_GROUPED = 1;
+constexpr int FAMILY_WARP_DECODE = 0, FAMILY_GROUPED = 1, FAMILY_FUSED = 2;
 __device__ __forceinline__ bool family_skipped(const int* choice, int family) {
     return choice != nullptr && __ldcg(choice) != family;
 }

@@ -509,6 +509,7 @@ fn family_unavailable(family: KernelFamily, spec: &MoeSpec) -> Option<String> {
     }
     let why = match family {
         KernelFamily::GroupedGemm => grouped_support(spec).err(),
+        KernelFamily::Fused => moe_codegen::fused_support(spec).err(),
         _ => None,
     };
     Some(why.unwrap_or_else(|| "moe_codegen::family_supports refuses it".into()))

@@ -197,6 +197,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                     block_threads: #cg::render::block_threads(&Self::SPEC, family, arch),
                     decode_tiles: #cg::render::decode_tiles(&Self::SPEC, family),
                     grouped_tiles: #cg::render::grouped_tiles(&Self::SPEC, family, arch),
+                    fused_tiles: #cg::render::fused_tiles(&Self::SPEC, family),
                 })
             }
 

@@ -32,8 +32,8 @@ mod expand;
 /// assert_eq!(Qwen3Moe::SPEC.weight_format(), WeightFormat::Bf16);
 /// assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
 ///
-/// // `families` left out: every family the spec supports, both for bf16.
-/// assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+/// // `families` left out: every family the spec supports, all three for bf16.
+/// assert_eq!(Qwen3Moe::FAMILIES, &KernelFamily::ALL);
 ///
 /// // The sources rendered at compile time are exactly what `render` produces at run time.
 /// for &family in Qwen3Moe::FAMILIES {
@@ -45,11 +45,11 @@ mod expand;
 /// let k = Qwen3Moe::kernel_source(KernelFamily::WarpDecode, Arch::Sm90a).unwrap();
 /// assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
 ///
-/// /// Quantized weights: both families (the grouped loader decodes them for the tensor cores);
-/// /// with the `lut` dequant variant warp decode only.
+/// /// Quantized weights: every family (the grouped loader and the fused kernel decode them for
+/// /// the tensor cores); with the `lut` dequant variant no grouped GEMMs.
 /// #[moe_kernel(hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = int4_g128)]
 /// pub struct Qwen3Int4;
-/// assert_eq!(Qwen3Int4::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
+/// assert_eq!(Qwen3Int4::FAMILIES, &KernelFamily::ALL);
 /// ```
 ///
 /// # Arguments

@@ -93,14 +93,14 @@ fn spec_holds_the_declared_values() {
     assert_eq!(s.activation(), Activation::Silu);
     assert_eq!(s, MoeSpec::builder(2048, 768, 128, 8).build().unwrap());
     assert_eq!(Qwen3Moe::ARCHS, &[Arch::Sm90a, Arch::Sm100a, Arch::Sm120a]);
-    // Families default to every one the spec supports: both for bf16.
-    assert_eq!(Qwen3Moe::FAMILIES, &[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]);
-    assert_eq!(Qwen3Moe::SOURCES.len(), 6);
+    // Families default to every one the spec supports: all three for bf16.
+    assert_eq!(Qwen3Moe::FAMILIES, &KernelFamily::ALL);
+    assert_eq!(Qwen3Moe::SOURCES.len(), 9);
 
     let o = Olmoe::SPEC;
     assert_eq!(o.id(), "h2048_i1024_e64_k8_fp8_e4m3_bf16_silu");
     assert_eq!(Olmoe::ARCHS, &[Arch::Sm120a, Arch::Sm90a], "declared order is kept");
-    assert_eq!(Olmoe::SOURCES.len(), 4);
+    assert_eq!(Olmoe::SOURCES.len(), 6);
 
     // fp16 weights default to fp16 activations.
     assert_eq!(SmallFp16::SPEC.act_dtype(), ActDtype::Fp16);
@@ -145,16 +145,19 @@ fn families_default_to_those_the_spec_supports() {
     let defaults = |spec: &MoeSpec| -> Vec<KernelFamily> {
         KernelFamily::ALL.into_iter().filter(|&f| family_supports(f, spec)).collect()
     };
+    let all = KernelFamily::ALL;
     let both = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm];
-    assert_eq!(Qwen3Moe::FAMILIES, &both);
-    assert_eq!(Olmoe::FAMILIES, &both, "per-channel fp8 has the grouped family");
-    assert_eq!(Fp8WeightsFp16Acts::FAMILIES, &both);
+    let no_grouped = [KernelFamily::WarpDecode, KernelFamily::Fused];
+    assert_eq!(Qwen3Moe::FAMILIES, &all);
+    assert_eq!(Olmoe::FAMILIES, &all, "per-channel fp8 has the grouped family");
+    assert_eq!(Fp8WeightsFp16Acts::FAMILIES, &all);
     // 2880 one-byte elements are not whole 128-byte k-tiles: the grouped GEMMs decode them in registers.
-    assert_eq!(GptOss::FAMILIES, &both, "per-channel fp8 at 2880 has the grouped family");
-    assert_eq!(Qwen3Int4::FAMILIES, &both, "the grouped loader decodes int4");
-    assert_eq!(Qwen3Awq::FAMILIES, &[KernelFamily::WarpDecode], "the lut variant's table: warp decode only");
+    assert_eq!(GptOss::FAMILIES, &all, "per-channel fp8 at 2880 has the grouped family");
+    assert_eq!(Qwen3Int4::FAMILIES, &all, "the grouped loader decodes int4");
+    assert_eq!(Qwen3Awq::FAMILIES, &no_grouped, "the lut variant's table: no grouped GEMMs");
+    // The fused kernel takes 4-bit codes 128 at a time along K: 2880 does not divide.
     assert_eq!(GptOssMxfp4::FAMILIES, &both);
-    assert_eq!(Bf16WeightsFp16Acts::FAMILIES, &[KernelFamily::WarpDecode]);
+    assert_eq!(Bf16WeightsFp16Acts::FAMILIES, &no_grouped, "the grouped GEMMs take one 16-bit type");
     assert_eq!(SmallFp16::FAMILIES, &[KernelFamily::WarpDecode], "a declared list is kept");
     for (spec, families) in [
         (Qwen3Moe::SPEC, Qwen3Moe::FAMILIES),
@@ -175,10 +178,11 @@ fn families_default_to_those_the_spec_supports() {
             let k = Qwen3Moe::kernel_source(family, arch).unwrap();
             assert_eq!(k.grouped_tiles.is_some(), family == KernelFamily::GroupedGemm);
             assert_eq!(k.decode_tiles.is_some(), family == KernelFamily::WarpDecode);
+            assert_eq!(k.fused_tiles.is_some(), family == KernelFamily::Fused);
         }
     }
     assert!(Qwen3Awq::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).is_none());
-    assert!(Qwen3Awq::SOURCES.iter().all(|s| s.0 == KernelFamily::WarpDecode));
+    assert!(Qwen3Awq::SOURCES.iter().all(|s| s.0 != KernelFamily::GroupedGemm));
     // The decoded-weight GEMMs take the mma.sync pipeline, sm_90a included.
     let g = Qwen3Int4::kernel_source(KernelFamily::GroupedGemm, Arch::Sm90a).unwrap();
     assert!(g.name.ends_with("_mma"), "{}", g.name);

@@ -38,7 +38,7 @@ enum Cmd {
         /// Only these formats (default: all). With a spec of your own: its formats (default: bf16).
         #[arg(long, value_delimiter = ',')]
         format: Vec<WeightFormat>,
-        /// Only these kernel families (warp_decode, grouped_gemm; default: both).
+        /// Only these kernel families (warp_decode, grouped_gemm, fused; default: every one).
         #[arg(long, value_delimiter = ',')]
         family: Vec<KernelFamily>,
         /// Your spec's hidden size (with --intermediate, --experts, --top-k: all four or none).

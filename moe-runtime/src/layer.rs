@@ -4,6 +4,7 @@ use crate::device::Device;
 use crate::dispatch::{choose_family, Choice, DispatchModel};
 use crate::error::{Result, RuntimeError};
 use crate::families::decode::DecodeFamily;
+use crate::families::fused::FusedFamily;
 use crate::families::grouped::{Alignment, GroupedPath};
 use crate::families::StepPtrs;
 use crate::launch::ptr;
@@ -83,6 +84,8 @@ pub struct MoeLayer {
     decode: DecodeFamily,
     /// The prefill family, where the spec's format and geometry allow it (else why not).
     grouped: std::result::Result<GroupedPath, String>,
+    /// The fused three-phase family, where the spec's geometry allows it (else why not).
+    fused: std::result::Result<FusedFamily, String>,
     /// Steps of at least this many tokens take the grouped GEMMs.
     prefill_threshold: usize,
     /// The dispatcher's models (None: below the threshold, warp decode).
@@ -127,17 +130,27 @@ impl MoeLayer {
         src: KernelSource,
         weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
-        let grouped = match moe_codegen::grouped_support(&spec) {
+        let fused = match moe_codegen::fused_support(&spec) {
+            Ok(()) => Ok(render(&spec, KernelFamily::Fused, device.arch())?),
+            Err(why) => Err(why),
+        };
+        let grouped_src = match moe_codegen::grouped_support(&spec) {
             Ok(()) => {
                 let tiles = moe_codegen::GemmTiles::for_spec(&spec, device.arch());
-                let gsrc = moe_codegen::render_grouped(&spec, device.arch(), tiles)?;
-                // Both families' kernels in one parallel batch of compiles.
-                compile_all(device, &spec.kernel_spec(), &[&src, &gsrc])?;
-                Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, &gsrc)?)
+                Ok((tiles, moe_codegen::render_grouped(&spec, device.arch(), tiles)?))
             }
             Err(why) => Err(why),
         };
-        MoeLayer::build(device, spec, src, grouped, weights)
+        // Every family's kernels in one parallel batch of compiles.
+        let mut batch = vec![&src];
+        batch.extend(grouped_src.as_ref().ok().map(|(_, g)| g));
+        batch.extend(fused.as_ref().ok());
+        compile_all(device, &spec.kernel_spec(), &batch)?;
+        let grouped = match grouped_src {
+            Ok((tiles, gsrc)) => Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, &gsrc)?),
+            Err(why) => Err(why),
+        };
+        MoeLayer::build(device, spec, src, grouped, fused, weights)
     }
 
     /// A layer from sources rendered ahead of time (e.g. by `#[moe_kernel]`): renders nothing.
@@ -166,7 +179,10 @@ impl MoeLayer {
             }
             None => Err(format!("no grouped source for {arch} among the layer's sources")),
         };
-        MoeLayer::build(device, spec, decode, grouped, weights)
+        let fused = find(KernelFamily::Fused)
+            .cloned()
+            .ok_or_else(|| format!("no fused source for {arch} among the layer's sources"));
+        MoeLayer::build(device, spec, decode, grouped, fused, weights)
     }
 
     fn build<'w>(
@@ -174,6 +190,7 @@ impl MoeLayer {
         spec: MoeSpec,
         src: KernelSource,
         grouped: std::result::Result<GroupedPath, String>,
+        fused: std::result::Result<KernelSource, String>,
         weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
         let weights = weights.into();
@@ -184,9 +201,17 @@ impl MoeLayer {
         let kspec = spec.kernel_spec();
         let grouped_ok = grouped.is_ok();
         let decode = DecodeFamily::load(device, &kspec, &src)?;
+        let fused = match fused {
+            Ok(fsrc) => Ok(FusedFamily::load(device, &kspec, &fsrc)?),
+            Err(why) => {
+                tracing::info!(%why, "no fused family");
+                Err(why)
+            }
+        };
         let stream = device.stream().clone();
         let on_device = weights.into_device(&stream)?;
         let [w13, w13_scales, w2, w2_scales] = on_device.mats;
+        let fused_ok = fused.is_ok();
         let layer = MoeLayer {
             spec,
             kspec,
@@ -204,8 +229,11 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
+            fused,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
-            dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)),
+            dispatch: grouped_ok
+                .then(|| dispatch_model_for(device, &spec, &kspec))
+                .map(|m| DispatchModel { fused: m.fused.filter(|_| fused_ok), ..m }),
             choice: stream.alloc_zeros::<i32>(8)?,
             last_plan: Mutex::new(None),
             deterministic: true,
@@ -313,7 +341,10 @@ impl MoeLayer {
     /// [`DispatchModel::analytic`]; a profile fitted on the device ([`DispatchModel::fit`]) does
     /// better. Without the grouped family this is a no-op.
     pub fn set_dispatch_model(&mut self, model: Option<DispatchModel>) {
-        self.dispatch = model.filter(|_| self.grouped.is_ok());
+        // A model of the fused family counts only where the layer has it.
+        let fused = self.fused.is_ok();
+        self.dispatch =
+            model.filter(|_| self.grouped.is_ok()).map(|m| DispatchModel { fused: m.fused.filter(|_| fused), ..m });
     }
 
     /// The dispatcher's models, if it is on.
@@ -383,6 +414,18 @@ impl MoeLayer {
         let src = moe_codegen::render_grouped(&self.spec, device.arch(), tiles)?;
         self.grouped = Ok(GroupedPath::with_source(device, &self.kspec, tiles, &src)?);
         Ok(())
+    }
+
+    /// Rebuild the fused family with other tiles (benchmarks and profiles sweep them this way).
+    pub fn set_fused_tiles(&mut self, device: &Device, tiles: moe_codegen::FusedTiles) -> Result<()> {
+        let src = moe_codegen::render_fused(&self.spec, device.arch(), tiles)?;
+        self.fused = Ok(FusedFamily::load(device, &self.kspec, &src)?);
+        Ok(())
+    }
+
+    /// The fused family's tiles, if the layer has that family.
+    pub fn fused_tiles(&self) -> Option<moe_codegen::FusedTiles> {
+        self.fused.as_ref().ok().map(|f| f.tiles())
     }
 
     /// The grouped family's tiles, if the layer has that family.
@@ -615,6 +658,17 @@ impl MoeLayer {
         self.grouped_path()?.last_alignment(&self.stream)
     }
 
+    /// The fused family's status for this layer: `Err(why)` if the spec cannot use it.
+    pub fn fused_available(&self) -> std::result::Result<(), &str> {
+        self.fused.as_ref().map(|_| ()).map_err(|w| w.as_str())
+    }
+
+    fn fused_family(&self) -> Result<&FusedFamily> {
+        self.fused
+            .as_ref()
+            .map_err(|why| RuntimeError::FamilyUnavailable { family: KernelFamily::Fused, why: why.clone() })
+    }
+
     fn grouped_path(&self) -> Result<&GroupedPath> {
         self.grouped
             .as_ref()
@@ -685,6 +739,10 @@ impl MoeLayer {
                 let g = self.grouped_path()?;
                 g.reserve(stream, &self.kspec, m, self.deterministic)?;
                 g.forward(stream, &self.kspec, m, p, self.deterministic)
+            }
+            Some(KernelFamily::Fused) => {
+                tracing::debug!(m, "forward: fused");
+                self.fused_family()?.forward(stream, &self.kspec, m, p)
             }
             Some(_) => {
                 tracing::debug!(m, "forward: warp decode");

@@ -69,6 +69,11 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
         layer.reserve(64).unwrap();
         let model = layer.dispatch_model().expect("the dispatcher is on by default");
         assert_eq!(model.source, ModelSource::Analytic);
+        assert!(model.fused.is_some(), "the layer has the fused family, so the model does");
+        // The device chooses between warp decode and the grouped GEMMs: without the fused model,
+        // every step this window leaves to routing goes to the device.
+        let model = DispatchModel { fused: None, ..model };
+        layer.set_dispatch_model(Some(model));
         let mut seen = [0usize; 2];
         for m in [2usize, 4, 8, 12] {
             for (routing, graph) in [("uniform", false), ("skewed", true), ("few", false), ("few", true)] {
@@ -116,6 +121,7 @@ fn one_graph_follows_the_routing_of_each_replay() {
     let model = DispatchModel {
         decode: lin(0.0, 0.0, 1.0),
         grouped: lin(0.0, 2.0, 0.0),
+        fused: None,
         overhead_us: 0.0,
         source: ModelSource::Profile,
     };
@@ -184,9 +190,15 @@ fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
     println!("profile in {:.1} s: {:?}", start.elapsed().as_secs_f64(), p.model);
     // The layer's own dispatcher is left as it was.
     assert_eq!(layer.dispatch_model().unwrap().source, ModelSource::Analytic);
-    assert_eq!(p.samples.len(), 50);
+    // 5 token counts x 5 routings x 3 families (warp decode, grouped, fused).
+    assert_eq!(p.samples.len(), 75);
+    assert!(p.model.fused.is_some());
     for s in &p.samples {
-        let c = if s.family == KernelFamily::GroupedGemm { p.model.grouped } else { p.model.decode };
+        let c = match s.family {
+            KernelFamily::GroupedGemm => p.model.grouped,
+            KernelFamily::Fused => p.model.fused.unwrap(),
+            _ => p.model.decode,
+        };
         let err = (c.predict(s.distinct, s.pairs) as f64 / s.us - 1.0).abs();
         assert!(err < 0.3, "{s:?}: predicted {} us", c.predict(s.distinct, s.pairs));
     }

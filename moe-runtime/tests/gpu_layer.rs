@@ -121,6 +121,9 @@ fn tolerance(spec: &MoeSpec, family: KernelFamily) -> (f64, f64) {
     let f = spec.weight_format();
     match (family, f) {
         (KernelFamily::WarpDecode, _) => (5e-3, 0.99999),
+        // The fused family rounds decoded weights and the intermediate to the activation dtype,
+        // with bf16 activations throughout (4-bit formats 3.7e-3 at most, H100).
+        (KernelFamily::Fused, _) => (5e-3, 0.99999),
         // Weights the grouped loader decodes are rounded to the activation dtype for the tensor
         // cores: bf16's 8-bit mantissa adds about 1e-3 per GEMM (4e-3 measured in all, up to
         // 5.2e-3 on one token; fp16 activations 5e-4).
@@ -177,7 +180,7 @@ fn biases_and_swiglu_oai_match_reference() {
         assert!(MoeLayer::load(&dev, spec, &bare).is_err(), "{}: a biased spec without biases", spec.id());
         let families: Vec<KernelFamily> =
             KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
-        assert_eq!(families.len(), 2, "{}: both families take biases", spec.id());
+        assert_eq!(families.len(), 3, "{}: every family takes biases", spec.id());
         for family in families {
             let large = spec.hidden() == 2048 && family == KernelFamily::GroupedGemm;
             let ms: &[usize] = if large { &[1, 4, 33, 300, 4096] } else { &[1, 4, 33, 300] };

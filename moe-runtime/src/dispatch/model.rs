@@ -47,13 +47,17 @@ pub enum ModelSource {
     Analytic,
 }
 
-/// The dispatcher's models of its two candidate families.
+/// The dispatcher's models of its candidate families. The device (`moe_choose`) chooses between
+/// warp decode and the grouped GEMMs; the host may also pick the fused family where its model
+/// says no routing of the step's token count makes it much worse than the best.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DispatchModel {
     /// Warp decode.
     pub decode: LinearCost,
     /// The grouped GEMMs.
     pub grouped: LinearCost,
+    /// The fused family, where the layer has it.
+    pub fused: Option<LinearCost>,
     /// What choosing on the device costs a step, us: `moe_choose` and the early exits of the
     /// family not chosen. The host leaves a step's choice to the device only where the models
     /// predict a larger gain than this.
@@ -102,6 +106,9 @@ pub enum ModelFitError {
 /// registers.
 const FALLBACK_STORED: [[f32; 3]; 2] = [[25.0, 1.1, 0.1], [10.0, 0.55, 0.75]];
 const FALLBACK_DECODED: [[f32; 3]; 2] = [[25.0, 2.0, 0.1], [10.0, 0.5, 2.0]];
+/// The fused family's fallback (H100 fit, docs/dispatch.md), in the same units: 16-bit weights,
+/// then every format it decodes.
+const FALLBACK_FUSED: [[f32; 3]; 2] = [[11.0, 0.66, 0.42], [11.0, 0.8, 0.6]];
 
 impl DispatchModel {
     /// The analytic fallback for `spec` on a device of `dram_gbps` peak bandwidth.
@@ -111,9 +118,12 @@ impl DispatchModel {
         let tau = (spec.expert_bytes() as f64 / (gbps * 1e3)) as f32;
         let c = if moe_codegen::grouped::decodes_weights(spec) { FALLBACK_DECODED } else { FALLBACK_STORED };
         let cost = |[c0, d, p]: [f32; 3]| LinearCost { c0, per_expert: d * tau, per_pair: p * tau };
+        let sixteen_bit =
+            matches!(spec.weight_format(), moe_codegen::WeightFormat::Bf16 | moe_codegen::WeightFormat::Fp16);
         DispatchModel {
             grouped: cost(c[0]),
             decode: cost(c[1]),
+            fused: moe_codegen::fused_support(spec).is_ok().then(|| cost(FALLBACK_FUSED[!sixteen_bit as usize])),
             overhead_us: DEFAULT_OVERHEAD_US,
             source: ModelSource::Analytic,
         }
@@ -129,31 +139,69 @@ impl DispatchModel {
         }
     }
 
+    /// Every modelled family with its model.
+    fn candidates(&self) -> impl Iterator<Item = (KernelFamily, LinearCost)> {
+        [(KernelFamily::WarpDecode, self.decode), (KernelFamily::GroupedGemm, self.grouped)]
+            .into_iter()
+            .chain(self.fused.map(|f| (KernelFamily::Fused, f)))
+    }
+
+    /// The family predicted fastest among all modelled ones (ties to the first of warp decode,
+    /// grouped, fused).
+    pub fn best(&self, distinct: u32, pairs: u32) -> KernelFamily {
+        self.candidates()
+            .fold((KernelFamily::WarpDecode, f32::INFINITY), |b, (f, c)| {
+                let t = c.predict(distinct, pairs);
+                if t < b.1 {
+                    (f, t)
+                } else {
+                    b
+                }
+            })
+            .0
+    }
+
     /// The family for a step of `m` tokens where the host can settle it, `None` where the device
-    /// should choose from the live routing. The models' difference is linear in the distinct
-    /// experts, so the choices at the fewest (`top_k`) and the most (`min(m * top_k, experts)`)
-    /// experts m tokens can touch bound every routing's: where they agree, that family. Where they
-    /// differ, the family for uniform routing's expected count, unless the other one is predicted
-    /// faster, at its extreme, by more than twice what choosing on the device costs.
+    /// should choose (between warp decode and the grouped GEMMs) from the live routing. Each
+    /// model is linear in the distinct experts D, so a family's regret against the best (a
+    /// concave function of D) is largest at the fewest (`top_k`) or the most
+    /// (`min(m * top_k, experts)`) experts m tokens can touch. The host takes the family of least
+    /// regret there (none, where one family is best at both); the device only where its own
+    /// regret, what choosing costs included, beats that by more than what choosing costs again.
     pub fn fixed_choice(&self, m: usize, top_k: u32, experts: u32) -> Option<KernelFamily> {
         let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
         let (few, most) = (top_k.min(pairs), pairs.min(experts));
-        let a = self.choose(few, pairs);
-        if a == self.choose(most, pairs) {
+        let a = self.best(few, pairs);
+        if a == self.best(most, pairs) {
             return Some(a);
         }
         // Each token misses an expert with probability 1 - k / E.
         let untouched = (1.0 - top_k as f64 / experts.max(1) as f64).max(0.0).powi(m.min(1 << 20) as i32);
         let uniform = ((experts as f64 * (1.0 - untouched)).round() as u32).clamp(few, most);
-        let usual = self.choose(uniform, pairs);
-        let gain = match usual {
-            KernelFamily::GroupedGemm => self.grouped.predict(most, pairs) - self.decode.predict(most, pairs),
-            _ => self.decode.predict(few, pairs) - self.grouped.predict(few, pairs),
-        };
-        (gain <= 2.0 * self.overhead_us).then_some(usual)
+        let points = [few, uniform, most];
+        let floor = |d: u32| self.candidates().map(|(_, c)| c.predict(d, pairs)).fold(f32::INFINITY, f32::min);
+        let regret = |t: &dyn Fn(u32) -> f32| points.iter().map(|&d| t(d) - floor(d)).fold(0.0f32, f32::max);
+        // The host's pick: least worst regret, ties to the family best under uniform routing.
+        let usual = self.best(uniform, pairs);
+        let (host, host_regret) = self
+            .candidates()
+            .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
+            .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
+        let device_regret =
+            regret(&|d| self.decode.predict(d, pairs).min(self.grouped.predict(d, pairs))) + self.overhead_us;
+        (host_regret <= device_regret + self.overhead_us).then_some(host)
     }
 
-    /// Fit both families' models by least squares to timed steps.
+    fn model_of(&self, family: KernelFamily) -> LinearCost {
+        match family {
+            KernelFamily::GroupedGemm => self.grouped,
+            KernelFamily::Fused => self.fused.unwrap_or(self.grouped),
+            _ => self.decode,
+        }
+    }
+
+    /// Fit each family's model by least squares to timed steps (the fused family's where there
+    /// are samples of it).
     pub fn fit(samples: &[Sample]) -> Result<DispatchModel, ModelFitError> {
         if let Some(s) = samples.iter().find(|s| !(s.us.is_finite() && s.us > 0.0)) {
             return Err(ModelFitError::BadTime(s.us));
@@ -168,9 +216,11 @@ impl DispatchModel {
             let c = solve3(&rows, &y).ok_or(ModelFitError::Underdetermined { family, samples: rows.len() })?;
             Ok(LinearCost { c0: c[0] as f32, per_expert: c[1] as f32, per_pair: c[2] as f32 })
         };
+        let fused = samples.iter().any(|s| s.family == KernelFamily::Fused);
         Ok(DispatchModel {
             decode: one(KernelFamily::WarpDecode)?,
             grouped: one(KernelFamily::GroupedGemm)?,
+            fused: if fused { Some(one(KernelFamily::Fused)?) } else { None },
             overhead_us: DEFAULT_OVERHEAD_US,
             source: ModelSource::Profile,
         })
@@ -257,18 +307,45 @@ mod tests {
 
     #[test]
     fn the_routing_fixes_the_choice_only_between_the_bounds() {
-        let model = DispatchModel::analytic(&qwen(WeightFormat::Bf16), 3350.0);
+        let model = DispatchModel { fused: None, ..DispatchModel::analytic(&qwen(WeightFormat::Bf16), 3350.0) };
         // One token touches top_k experts whatever the routing: the host decides (decode).
         assert_eq!(model.fixed_choice(1, 8, 128), Some(KernelFamily::WarpDecode));
         // Four tokens: all on 8 experts (grouped wins by 31 us) or on 32 (decode wins): the device
-        // decides, unless that costs more than half the gain.
-        assert_eq!(model.fixed_choice(4, 8, 128), None);
+        // decides where choosing is free, the host where it costs more than either family's
+        // worst regret.
+        let free = DispatchModel { overhead_us: 0.0, ..model };
+        assert_eq!(free.fixed_choice(4, 8, 128), None);
         let costly = DispatchModel { overhead_us: 20.0, ..model };
-        assert_eq!(costly.fixed_choice(4, 8, 128), Some(KernelFamily::WarpDecode));
+        assert!(costly.fixed_choice(4, 8, 128).is_some());
         assert_eq!(model.choose(8, 32), KernelFamily::GroupedGemm);
         assert_eq!(model.choose(32, 32), KernelFamily::WarpDecode);
         // Many tokens: grouped at the fewest and the most experts.
         assert_eq!(model.fixed_choice(64, 8, 128), Some(KernelFamily::GroupedGemm));
+    }
+
+    #[test]
+    fn the_host_takes_the_fused_family_where_no_routing_makes_it_much_worse() {
+        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+        let model = DispatchModel {
+            decode: lin(10.0, 1.0, 2.0),
+            grouped: lin(30.0, 2.5, 0.0),
+            fused: Some(lin(20.0, 1.6, 0.5)),
+            overhead_us: 8.0,
+            source: ModelSource::Profile,
+        };
+        // 4 tokens of top-8 over 128 experts: 8 to 32 experts. Decode costs 82 / 106 us there,
+        // grouped 50 / 110, fused 48.8 / 87.2: fused is best at both ends.
+        assert_eq!(model.best(8, 32), KernelFamily::Fused);
+        assert_eq!(model.fixed_choice(4, 8, 128), Some(KernelFamily::Fused));
+        // One token: decode (34 against 36.8).
+        assert_eq!(model.fixed_choice(1, 8, 128), Some(KernelFamily::WarpDecode));
+        // A slower fused family trails grouped by 18.8 us at 8 experts; grouped trails decode by
+        // 4 us at 32: where choosing on the device costs 1 us, the device chooses.
+        let slow = DispatchModel { fused: Some(lin(40.0, 1.6, 0.5)), overhead_us: 1.0, ..model };
+        assert_eq!(slow.fixed_choice(4, 8, 128), None);
+        // Where it costs more, the host takes the family of least worst regret (grouped).
+        let costly = DispatchModel { overhead_us: 8.0, ..slow };
+        assert_eq!(costly.fixed_choice(4, 8, 128), Some(KernelFamily::GroupedGemm));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //!
 //! The grid is RaMP's: five token counts below the prefill threshold times five routings (each
 //! token's experts drawn from all of them, or from the first eighth with probability 0.5, 0.85 or
-//! 1, or every token on the same top-k experts), both families timed on each as CUDA-graph replays
+//! 1, or every token on the same top-k experts), every family the layer has timed on each as CUDA-graph replays
 //! of four steps with fresh routing (so the touched experts change from step to step). Then what
 //! choosing on the device costs is measured on the steps whose choice the routing decides.
 
@@ -101,6 +101,7 @@ impl DispatchProfile {
             "version": self.version,
             "decode": cost(&self.model.decode),
             "grouped": cost(&self.model.grouped),
+            "fused": self.model.fused.as_ref().map(cost),
             "overhead_us": self.model.overhead_us,
             "samples": samples,
         })
@@ -126,6 +127,7 @@ impl DispatchProfile {
             let family = match s[0].as_str() {
                 Some(n) if n == KernelFamily::WarpDecode.name() => KernelFamily::WarpDecode,
                 Some(n) if n == KernelFamily::GroupedGemm.name() => KernelFamily::GroupedGemm,
+                Some(n) if n == KernelFamily::Fused.name() => KernelFamily::Fused,
                 _ => return Err(corrupt(format!("a sample of no known family: {s}"))),
             };
             let n = |i: usize| s[i].as_u64().ok_or_else(|| corrupt(format!("sample {s}: field {i}")));
@@ -139,6 +141,8 @@ impl DispatchProfile {
             model: DispatchModel {
                 decode: cost("decode")?,
                 grouped: cost("grouped")?,
+                // Absent or null: profiled without the fused family.
+                fused: if v["fused"].is_null() { None } else { Some(cost("fused")?) },
                 overhead_us: overhead as f32,
                 source: ModelSource::Profile,
             },
@@ -316,7 +320,7 @@ fn dispatch_costs(layer: &mut MoeLayer, g: &mut Gen, free: DispatchModel) -> Res
     Ok(costs)
 }
 
-/// Time both families over the profile's grid on this GPU with the layer's weights, fit the
+/// Time every family over the profile's grid on this GPU with the layer's weights, fit the
 /// dispatcher's models and measure what choosing on the device costs. The layer's threshold and
 /// dispatcher are restored, not changed: set the result with `set_dispatch_model` (or save it,
 /// and later loads pick it up). About 10 s on an H200 for Qwen3-30B-A3B (compiles excluded).
@@ -336,7 +340,8 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
             let shared = spec.shared_experts();
             let distinct = st.iter().map(|s| s.distinct).sum::<u32>() / STEPS as u32 + shared;
             let pairs = (m * (spec.top_k() + shared) as usize) as u32;
-            for family in [KernelFamily::WarpDecode, KernelFamily::GroupedGemm] {
+            let fused = layer.fused_available().is_ok().then_some(KernelFamily::Fused);
+            for family in [KernelFamily::WarpDecode, KernelFamily::GroupedGemm].into_iter().chain(fused) {
                 let us = time(layer, Some(family), &st)?;
                 samples.push(Sample { family, m, distinct, pairs, us });
             }
@@ -380,6 +385,7 @@ mod tests {
             model: DispatchModel {
                 decode: lin(6.5, 0.93, 1.57),
                 grouped: lin(27.25, 2.15, 0.024),
+                fused: Some(lin(11.0, 1.9, 1.2)),
                 overhead_us: 9.9,
                 source: ModelSource::Profile,
             },

@@ -2,6 +2,7 @@
 //! A family never imports its sibling; what they share (the step's pointers) lives here.
 
 pub mod decode;
+pub mod fused;
 pub mod grouped;
 
 /// Device pointers a family reads for one step.
