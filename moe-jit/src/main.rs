@@ -116,7 +116,7 @@ enum Cmd {
         jobs: Option<usize>,
     },
     /// Fit the routing-aware dispatcher's cost models for each spec on GPU 0 (both families timed
-    /// at 5 token counts x 5 routings, with synthetic weights quantized to the spec's format) and
+    /// at 6 token counts x 5 routings, with synthetic weights quantized to the spec's format) and
     /// save them under the kernel cache, where `MoeLayer::load` picks them up for this GPU, spec
     /// and moeforge version. About 10-20 s a spec on an H100-class GPU plus its compiles.
     Profile {

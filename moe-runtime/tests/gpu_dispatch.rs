@@ -190,8 +190,8 @@ fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
     println!("profile in {:.1} s: {:?}", start.elapsed().as_secs_f64(), p.model);
     // The layer's own dispatcher is left as it was.
     assert_eq!(layer.dispatch_model().unwrap().source, ModelSource::Analytic);
-    // 5 token counts x 5 routings x 3 families (warp decode, grouped, fused).
-    assert_eq!(p.samples.len(), 75);
+    // 6 token counts x 5 routings x 3 families (warp decode, grouped, fused).
+    assert_eq!(p.samples.len(), 90);
     assert!(p.model.fused.is_some());
     for s in &p.samples {
         let c = match s.family {

@@ -180,7 +180,9 @@ fn biases_and_swiglu_oai_match_reference() {
         assert!(MoeLayer::load(&dev, spec, &bare).is_err(), "{}: a biased spec without biases", spec.id());
         let families: Vec<KernelFamily> =
             KernelFamily::ALL.into_iter().filter(|&f| moe_codegen::family_supports(f, &spec)).collect();
-        assert_eq!(families.len(), 3, "{}: every family takes biases", spec.id());
+        // Every family takes biases; the fused one where its K chunks divide (not 4-bit at 2880).
+        assert!(families.starts_with(&[KernelFamily::WarpDecode, KernelFamily::GroupedGemm]), "{}", spec.id());
+        assert_eq!(families.contains(&KernelFamily::Fused), moe_codegen::fused_support(&spec).is_ok());
         for family in families {
             let large = spec.hidden() == 2048 && family == KernelFamily::GroupedGemm;
             let ms: &[usize] = if large { &[1, 4, 33, 300, 4096] } else { &[1, 4, 33, 300] };

@@ -165,9 +165,13 @@ impl DispatchModel {
     /// should choose (between warp decode and the grouped GEMMs) from the live routing. Each
     /// model is linear in the distinct experts D, so a family's regret against the best (a
     /// concave function of D) is largest at the fewest (`top_k`) or the most
-    /// (`min(m * top_k, experts)`) experts m tokens can touch. The host takes the family of least
-    /// regret there (none, where one family is best at both); the device only where its own
-    /// regret, what choosing costs included, beats that by more than what choosing costs again.
+    /// (`min(m * top_k, experts)`) experts m tokens can touch. Where one family is best at both,
+    /// that one. Else the family best for uniform routing's expected D, unless its regret at an
+    /// extreme exceeds both twice what choosing on the device costs and a tenth of its predicted
+    /// time; then the family of least worst regret, or the device where its own regret, what
+    /// choosing costs included, beats that by more than what choosing costs again. (The extremes
+    /// are rare at a few tokens: taking the least worst regret everywhere cost more, in a replay
+    /// of the measured H100 report, docs/dispatch.md.)
     pub fn fixed_choice(&self, m: usize, top_k: u32, experts: u32) -> Option<KernelFamily> {
         let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
         let (few, most) = (top_k.min(pairs), pairs.min(experts));
@@ -181,12 +185,16 @@ impl DispatchModel {
         let points = [few, uniform, most];
         let floor = |d: u32| self.candidates().map(|(_, c)| c.predict(d, pairs)).fold(f32::INFINITY, f32::min);
         let regret = |t: &dyn Fn(u32) -> f32| points.iter().map(|&d| t(d) - floor(d)).fold(0.0f32, f32::max);
-        // The host's pick: least worst regret, ties to the family best under uniform routing.
         let usual = self.best(uniform, pairs);
+        let usual_regret = regret(&|d| self.model_of(usual).predict(d, pairs));
+        if usual_regret <= (2.0 * self.overhead_us).max(0.1 * self.model_of(usual).predict(uniform, pairs)) {
+            return Some(usual);
+        }
+        // The host's other pick: least worst regret, ties to the family best under uniform routing.
         let (host, host_regret) = self
             .candidates()
             .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
-            .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
+            .fold((usual, usual_regret), |b, c| if c.1 < b.1 { c } else { b });
         let device_regret =
             regret(&|d| self.decode.predict(d, pairs).min(self.grouped.predict(d, pairs))) + self.overhead_us;
         (host_regret <= device_regret + self.overhead_us).then_some(host)
@@ -200,19 +208,21 @@ impl DispatchModel {
         }
     }
 
-    /// Fit each family's model by least squares to timed steps (the fused family's where there
-    /// are samples of it).
+    /// Fit each family's model by least squares on relative error to timed steps (the fused
+    /// family's where there are samples of it).
     pub fn fit(samples: &[Sample]) -> Result<DispatchModel, ModelFitError> {
         if let Some(s) = samples.iter().find(|s| !(s.us.is_finite() && s.us > 0.0)) {
             return Err(ModelFitError::BadTime(s.us));
         }
         let one = |family: KernelFamily| -> Result<LinearCost, ModelFitError> {
+            // Relative error is what a choice costs: each sample weighted by 1 / its time, so the
+            // few-token steps count as much as the long ones.
             let rows: Vec<[f64; 3]> = samples
                 .iter()
                 .filter(|s| s.family == family)
-                .map(|s| [1.0, s.distinct as f64, s.pairs as f64])
+                .map(|s| [1.0 / s.us, s.distinct as f64 / s.us, s.pairs as f64 / s.us])
                 .collect();
-            let y: Vec<f64> = samples.iter().filter(|s| s.family == family).map(|s| s.us).collect();
+            let y: Vec<f64> = samples.iter().filter(|s| s.family == family).map(|_| 1.0).collect();
             let c = solve3(&rows, &y).ok_or(ModelFitError::Underdetermined { family, samples: rows.len() })?;
             Ok(LinearCost { c0: c[0] as f32, per_expert: c[1] as f32, per_pair: c[2] as f32 })
         };

@@ -2,7 +2,8 @@
 //! own weights, and the file that keeps it next to the kernel cache, one per (GPU name, spec id,
 //! moeforge version). `MoeLayer::load` picks it up; `moe-jit profile` (or [`profile`]) writes it.
 //!
-//! The grid is RaMP's: five token counts below the prefill threshold times five routings (each
+//! The grid is RaMP's, with one token added (where warp decode and the fused family are close):
+//! six token counts below the prefill threshold times five routings (each
 //! token's experts drawn from all of them, or from the first eighth with probability 0.5, 0.85 or
 //! 1, or every token on the same top-k experts), every family the layer has timed on each as CUDA-graph replays
 //! of four steps with fresh routing (so the touched experts change from step to step). Then what
@@ -18,7 +19,7 @@ use moe_codegen::{ActDtype, KernelFamily, MoeSpec};
 use std::path::{Path, PathBuf};
 
 /// Token counts the profile times.
-pub const PROFILE_TOKENS: [usize; 5] = [2, 4, 8, 12, 15];
+pub const PROFILE_TOKENS: [usize; 6] = [1, 2, 4, 8, 12, 15];
 /// Steps per timed graph.
 const STEPS: usize = 4;
 
