@@ -162,42 +162,35 @@ impl DispatchModel {
     }
 
     /// The family for a step of `m` tokens where the host can settle it, `None` where the device
-    /// should choose (between warp decode and the grouped GEMMs) from the live routing. Each
-    /// model is linear in the distinct experts D, so a family's regret against the best (a
-    /// concave function of D) is largest at the fewest (`top_k`) or the most
-    /// (`min(m * top_k, experts)`) experts m tokens can touch. Where one family is best at both,
-    /// that one. Else the family best for uniform routing's expected D, unless its regret at an
-    /// extreme exceeds both twice what choosing on the device costs and a tenth of its predicted
-    /// time; then the family of least worst regret, or the device where its own regret, what
-    /// choosing costs included, beats that by more than what choosing costs again. (The extremes
-    /// are rare at a few tokens: taking the least worst regret everywhere cost more, in a replay
-    /// of the measured H100 report, docs/dispatch.md.)
+    /// should choose (between warp decode and the grouped GEMMs) from the live routing. The host
+    /// weighs three routings: every token's experts drawn from the hottest eighth of them (the
+    /// skew real traffic reaches; `top_k` experts where an eighth is fewer), uniform, and every
+    /// expert distinct (`min(m * top_k, experts)`). It takes the family whose predicted time is
+    /// least above the best at its worst of the three, relative to that best, unless the device's
+    /// own choice, what choosing costs included, is predicted closer. (Weighing the fewest experts
+    /// m tokens can touch instead, or keeping uniform routing's family within an absolute margin,
+    /// did worse in a replay of the measured H100 report: docs/dispatch.md.)
     pub fn fixed_choice(&self, m: usize, top_k: u32, experts: u32) -> Option<KernelFamily> {
         let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
         let (few, most) = (top_k.min(pairs), pairs.min(experts));
-        let a = self.best(few, pairs);
-        if a == self.best(most, pairs) {
-            return Some(a);
-        }
-        // Each token misses an expert with probability 1 - k / E.
-        let untouched = (1.0 - top_k as f64 / experts.max(1) as f64).max(0.0).powi(m.min(1 << 20) as i32);
-        let uniform = ((experts as f64 * (1.0 - untouched)).round() as u32).clamp(few, most);
-        let points = [few, uniform, most];
-        let floor = |d: u32| self.candidates().map(|(_, c)| c.predict(d, pairs)).fold(f32::INFINITY, f32::min);
-        let regret = |t: &dyn Fn(u32) -> f32| points.iter().map(|&d| t(d) - floor(d)).fold(0.0f32, f32::max);
-        let usual = self.best(uniform, pairs);
-        let usual_regret = regret(&|d| self.model_of(usual).predict(d, pairs));
-        if usual_regret <= (2.0 * self.overhead_us).max(0.1 * self.model_of(usual).predict(uniform, pairs)) {
-            return Some(usual);
-        }
-        // The host's other pick: least worst regret, ties to the family best under uniform routing.
+        let distinct = |pool: u32| {
+            // Expected distinct experts of m tokens, each with top_k of `pool` experts.
+            let untouched = (1.0 - top_k as f64 / pool.max(1) as f64).max(0.0).powi(m.min(1 << 20) as i32);
+            ((pool as f64 * (1.0 - untouched)).round() as u32).clamp(few, most)
+        };
+        let points = [distinct((experts / 8).max(top_k)), distinct(experts), most];
+        let floor =
+            |d: u32| self.candidates().map(|(_, c)| c.predict(d, pairs)).fold(f32::INFINITY, f32::min).max(1e-3);
+        let regret =
+            |t: &dyn Fn(u32) -> f32| points.iter().map(|&d| (t(d) - floor(d)) / floor(d)).fold(0.0f32, f32::max);
+        let usual = self.best(points[1], pairs);
         let (host, host_regret) = self
             .candidates()
             .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
-            .fold((usual, usual_regret), |b, c| if c.1 < b.1 { c } else { b });
+            .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
         let device_regret =
-            regret(&|d| self.decode.predict(d, pairs).min(self.grouped.predict(d, pairs))) + self.overhead_us;
-        (host_regret <= device_regret + self.overhead_us).then_some(host)
+            regret(&|d| self.decode.predict(d, pairs).min(self.grouped.predict(d, pairs)) + self.overhead_us);
+        (host_regret <= device_regret).then_some(host)
     }
 
     fn model_of(&self, family: KernelFamily) -> LinearCost {
