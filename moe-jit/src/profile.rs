@@ -57,8 +57,11 @@ pub fn profile(cache: &DiskCache, specs: &[MoeSpec]) -> ExitCode {
         match result {
             Ok((p, path, loaded)) => {
                 let m = p.model;
+                let fused = m.fused.map_or(String::new(), |f| {
+                    format!(", fused {:.2} + {:.3} D + {:.3} P us", f.c0, f.per_expert, f.per_pair)
+                });
                 println!(
-                    "{}: warp decode {:.2} + {:.3} D + {:.3} P us, grouped {:.2} + {:.3} D + {:.3} P us, device choice {:.1} us; \
+                    "{}: warp decode {:.2} + {:.3} D + {:.3} P us, grouped {:.2} + {:.3} D + {:.3} P us{fused}, device choice {:.1} us; \
                      {} samples in {:.1} s (load {:.1} s) -> {}",
                     spec.id(),
                     m.decode.c0,
