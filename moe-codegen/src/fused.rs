@@ -28,17 +28,22 @@ pub struct FusedTiles {
     /// Whether a down item brings its next expert's w2 rows into L2 before it waits for or
     /// computes the current one.
     pub prefetch: bool,
+    /// Codes of a row each lane takes per chunk (16 or 32, whole 16-byte vectors); a chunk is four
+    /// lanes' worth, and the hidden and intermediate sizes must hold whole chunks.
+    pub lane_codes: u32,
 }
 
 impl FusedTiles {
     /// The default tiles for a spec: 8 warps, one gate or up fragment per warp of an up item (64
     /// neurons), 32-token passes, 64 tokens per launch, 4 chunks in flight per warp (the best of
     /// the sets swept on an H100, docs/dispatch.md).
-    pub fn for_spec(_spec: &MoeSpec) -> FusedTiles {
+    pub fn for_spec(spec: &MoeSpec) -> FusedTiles {
         // Swept on an H100 (Qwen3-30B-A3B, bf16 / fp8 / mxfp4, M = 1 to 16): 16 or 32 neurons an
-        // item (K split over warps), 8 chunks in flight (fp8's and mxfp4's chunks are half the
-        // bytes) and the w2 prefetch all measured slower (docs/dispatch.md).
-        FusedTiles { warps: 8, bi: 64, ntok: 32, max_tokens: 64, depth: 4, prefetch: false }
+        // item (K split over warps), 8 chunks in flight and the w2 prefetch all measured slower
+        // (docs/fused.md), and so did 32 codes a lane for fp8 and MXFP8 (the 32 bytes of a row
+        // per lane that 16-bit weights take): 16 a lane, but a whole vector of 4-bit codes.
+        let lane_codes = spec.weight_format().elems_per_16b().max(16);
+        FusedTiles { warps: 8, bi: 64, ntok: 32, max_tokens: 64, depth: 4, prefetch: false, lane_codes }
     }
 }
 
@@ -55,8 +60,8 @@ impl FusedTiles {
     }
 }
 
-/// Codes along K one chunk takes: four lanes of 16 codes (one or two 16-byte vectors each), or
-/// of one 16-byte vector where it holds more.
+/// The fewest codes along K one chunk takes: four lanes of 16 codes (one or two 16-byte vectors
+/// each), or of one 16-byte vector where it holds more.
 fn chunk_codes(f: WeightFormat) -> u32 {
     4 * f.elems_per_16b().max(16)
 }
@@ -106,6 +111,7 @@ struct FusedCu {
     max_tokens: u32,
     depth: u32,
     prefetch: bool,
+    lane_codes: u32,
     smem_bytes: u32,
     params: String,
 }
@@ -126,6 +132,10 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
         || t.max_tokens == 0
         || t.max_tokens % 8 != 0
         || !(1..=8).contains(&t.depth)
+        || !matches!(t.lane_codes, 16 | 32)
+        || t.lane_codes % spec.weight_format().elems_per_16b() != 0
+        || spec.hidden() % (4 * t.lane_codes) != 0
+        || spec.intermediate() % (4 * t.lane_codes) != 0
     {
         return Err(unsupported(format!("fused tiles {t:?}")));
     }
@@ -139,8 +149,16 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
         matches!((f, spec.act_dtype()), (WeightFormat::Bf16, ActDtype::Bf16) | (WeightFormat::Fp16, ActDtype::Fp16));
     // The other families' naming (`module_name`: the dequant variant last, where the format has
     // several), with the tiles before the variant.
-    let shape =
-        format!("i{}t{}m{}d{}w{}{}", t.bi, t.ntok, t.max_tokens, t.depth, t.warps, if t.prefetch { "p" } else { "" });
+    let shape = format!(
+        "i{}t{}m{}d{}w{}l{}{}",
+        t.bi,
+        t.ntok,
+        t.max_tokens,
+        t.depth,
+        t.warps,
+        t.lane_codes,
+        if t.prefetch { "p" } else { "" }
+    );
     let base = crate::render::module_name(family, &routed, variant);
     let name = match base.strip_suffix(&format!("_{variant}")) {
         Some(stem) if f.dequant_variants().len() > 1 => format!("{stem}_{shape}_{variant}"),
@@ -166,6 +184,7 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
         max_tokens: t.max_tokens,
         depth: t.depth,
         prefetch: t.prefetch,
+        lane_codes: t.lane_codes,
         smem_bytes: fused_smem_bytes(spec, &t),
         params: crate::params::fused_decls(),
     }
@@ -217,6 +236,19 @@ mod tests {
         assert!(matches!(render_fused(&spec, Arch::Sm90a, t), Err(CodegenError::Unsupported { .. })));
         let t = FusedTiles { ntok: 40, ..FusedTiles::for_spec(&spec) };
         assert!(render_fused(&spec, Arch::Sm90a, t).is_err());
+        // 16 codes a lane are less than one 16-byte vector of 4-bit codes.
+        let fp4 = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Mxfp4).build().unwrap();
+        assert_eq!(FusedTiles::for_spec(&fp4).lane_codes, 32);
+        let t = FusedTiles { lane_codes: 16, ..FusedTiles::for_spec(&fp4) };
+        assert!(render_fused(&fp4, Arch::Sm90a, t).is_err());
+        // fp8 may take 32 codes a lane where the sizes are whole 128-code chunks, not at 2880.
+        let fp8 = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Fp8E4m3).build().unwrap();
+        assert_eq!(FusedTiles::for_spec(&fp8).lane_codes, 16);
+        render_fused(&fp8, Arch::Sm90a, FusedTiles { lane_codes: 32, ..FusedTiles::for_spec(&fp8) }).unwrap();
+        let gpt8 = MoeSpec::builder(2880, 2880, 32, 4).weight_format(WeightFormat::Fp8E4m3).build().unwrap();
+        render_fused(&gpt8, Arch::Sm90a, FusedTiles::for_spec(&gpt8)).unwrap();
+        let t = FusedTiles { lane_codes: 32, ..FusedTiles::for_spec(&gpt8) };
+        assert!(render_fused(&gpt8, Arch::Sm90a, t).is_err());
         // 4-bit codes take K in chunks of 128: a hidden size of 2880 does not divide.
         let gpt = MoeSpec::builder(2880, 2880, 32, 4).weight_format(WeightFormat::Mxfp4).build().unwrap();
         assert!(fused_support(&gpt).is_err());

@@ -43,7 +43,7 @@ constexpr bool W_RAW = {{ w_raw }};           // the weights are act_t themselve
 // act_t (powers of two) or applied per row; else every code through dequant_vec's floats.
 constexpr bool W_E4M3_PAIRS = {{ e4m3_pairs }};
 constexpr bool ACT_BF16 = {{ act_bf16 }};
-constexpr int LE = W_VEC > 16 ? W_VEC : 16;  // codes a lane takes per row and chunk
+constexpr int LE = {{ lane_codes }};          // codes a lane takes per row and chunk
 constexpr int VPL = LE / W_VEC;              // 16-byte vectors per lane, row and chunk
 constexpr int CK = 4 * LE;                   // codes per chunk (a quad of lanes)
 constexpr int STEPS = LE / 4;                // k16 MMAs per chunk
@@ -60,6 +60,7 @@ static_assert((UP_FRAGS % WARPS == 0 || WARPS % UP_FRAGS == 0) && NTOK % 8 == 0 
               "the up item's fragments over the warps");
 static_assert(HIDDEN % 16 == 0 && MAX_TOKENS % 8 == 0, "whole fragments");
 static_assert(!W_RAW || W_VEC == 8, "raw weights are 16-bit");
+static_assert(LE % W_VEC == 0 && (LE == 16 || LE == 32), "whole vectors a lane");
 using W13 = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
 using W2 = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 
