@@ -60,8 +60,9 @@ pub fn profile(cache: &DiskCache, specs: &[MoeSpec]) -> ExitCode {
                 let fused = m.fused.map_or(String::new(), |f| {
                     format!(", fused {:.2} + {:.3} D + {:.3} P us", f.c0, f.per_expert, f.per_pair)
                 });
+                let one = m.one_token.map_or(String::new(), |f| format!(", one token: {f}"));
                 println!(
-                    "{}: warp decode {:.2} + {:.3} D + {:.3} P us, grouped {:.2} + {:.3} D + {:.3} P us{fused}, device choice {:.1} us; \
+                    "{}: warp decode {:.2} + {:.3} D + {:.3} P us, grouped {:.2} + {:.3} D + {:.3} P us{fused}{one}, device choice {:.1} us; \
                      {} samples in {:.1} s (load {:.1} s) -> {}",
                     spec.id(),
                     m.decode.c0,

@@ -231,9 +231,7 @@ impl MoeLayer {
             grouped,
             fused,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
-            dispatch: grouped_ok
-                .then(|| dispatch_model_for(device, &spec, &kspec))
-                .map(|m| DispatchModel { fused: m.fused.filter(|_| fused_ok), ..m }),
+            dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)).map(|m| m.restricted(fused_ok)),
             choice: stream.alloc_zeros::<i32>(8)?,
             last_plan: Mutex::new(None),
             deterministic: true,
@@ -343,8 +341,7 @@ impl MoeLayer {
     pub fn set_dispatch_model(&mut self, model: Option<DispatchModel>) {
         // A model of the fused family counts only where the layer has it.
         let fused = self.fused.is_ok();
-        self.dispatch =
-            model.filter(|_| self.grouped.is_ok()).map(|m| DispatchModel { fused: m.fused.filter(|_| fused), ..m });
+        self.dispatch = model.filter(|_| self.grouped.is_ok()).map(|m| m.restricted(fused));
     }
 
     /// The dispatcher's models, if it is on.

@@ -72,7 +72,7 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
         assert!(model.fused.is_some(), "the layer has the fused family, so the model does");
         // The device chooses between warp decode and the grouped GEMMs: without the fused model,
         // every step this window leaves to routing goes to the device.
-        let model = DispatchModel { fused: None, ..model };
+        let model = model.restricted(false);
         layer.set_dispatch_model(Some(model));
         let mut seen = [0usize; 2];
         for m in [2usize, 4, 8, 12] {
@@ -122,6 +122,7 @@ fn one_graph_follows_the_routing_of_each_replay() {
         decode: lin(0.0, 0.0, 1.0),
         grouped: lin(0.0, 2.0, 0.0),
         fused: None,
+        one_token: None,
         overhead_us: 0.0,
         source: ModelSource::Profile,
     };

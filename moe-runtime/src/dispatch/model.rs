@@ -58,6 +58,10 @@ pub struct DispatchModel {
     pub grouped: LinearCost,
     /// The fused family, where the layer has it.
     pub fused: Option<LinearCost>,
+    /// The family fastest in the profile's one-token steps. Every routing of one token touches
+    /// `top_k` experts in `top_k` pairs, so there the timings settle the choice and the fitted
+    /// planes (whose error is a few percent where two families nearly tie) are not consulted.
+    pub one_token: Option<KernelFamily>,
     /// What choosing on the device costs a step, us: `moe_choose` and the early exits of the
     /// family not chosen. The host leaves a step's choice to the device only where the models
     /// predict a larger gain than this.
@@ -130,6 +134,7 @@ impl DispatchModel {
             grouped: cost(c[0]),
             decode: cost(c[1]),
             fused: moe_codegen::fused_support(spec).is_ok().then(|| cost(FALLBACK_FUSED[!sixteen_bit as usize])),
+            one_token: None,
             overhead_us: DEFAULT_OVERHEAD_US,
             source: ModelSource::Analytic,
         }
@@ -142,6 +147,15 @@ impl DispatchModel {
             KernelFamily::GroupedGemm
         } else {
             KernelFamily::WarpDecode
+        }
+    }
+
+    /// The model without the fused family where `fused` is false (a layer without it).
+    pub fn restricted(self, fused: bool) -> DispatchModel {
+        DispatchModel {
+            fused: self.fused.filter(|_| fused),
+            one_token: self.one_token.filter(|&f| fused || f != KernelFamily::Fused),
+            ..self
         }
     }
 
@@ -176,8 +190,12 @@ impl DispatchModel {
     /// own choice, what choosing costs included, is predicted closer by more than
     /// [`DEVICE_MARGIN`]. (Weighing the fewest experts
     /// m tokens can touch instead, or keeping uniform routing's family within an absolute margin,
-    /// did worse in a replay of the measured H100 report: docs/dispatch.md.)
+    /// did worse in a replay of the measured H100 report: docs/dispatch.md.) A step of one token
+    /// takes [`DispatchModel::one_token`] where the profile timed one.
     pub fn fixed_choice(&self, m: usize, top_k: u32, experts: u32) -> Option<KernelFamily> {
+        if let (1, Some(f)) = (m, self.one_token) {
+            return Some(f);
+        }
         let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
         let (few, most) = (top_k.min(pairs), pairs.min(experts));
         let distinct = |pool: u32| {
@@ -231,10 +249,30 @@ impl DispatchModel {
             decode: one(KernelFamily::WarpDecode)?,
             grouped: one(KernelFamily::GroupedGemm)?,
             fused: if fused { Some(one(KernelFamily::Fused)?) } else { None },
+            one_token: fastest_one_token(samples),
             overhead_us: DEFAULT_OVERHEAD_US,
             source: ModelSource::Profile,
         })
     }
+}
+
+/// The family of least median time over the one-token samples, where every family sampled at all
+/// was sampled at one token (ties to the first of warp decode, grouped, fused).
+fn fastest_one_token(samples: &[Sample]) -> Option<KernelFamily> {
+    let families = [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::Fused];
+    let mut best: Option<(KernelFamily, f64)> = None;
+    for family in families.into_iter().filter(|&f| samples.iter().any(|s| s.family == f)) {
+        let mut t: Vec<f64> = samples.iter().filter(|s| s.family == family && s.m == 1).map(|s| s.us).collect();
+        if t.is_empty() {
+            return None;
+        }
+        t.sort_by(f64::total_cmp);
+        let median = t[t.len() / 2];
+        if best.is_none_or(|(_, b)| median < b) {
+            best = Some((family, median));
+        }
+    }
+    best.map(|(f, _)| f)
 }
 
 /// Least squares for three unknowns through the normal equations, solved by Cramer's rule on
@@ -333,6 +371,7 @@ mod tests {
             decode: lin(10.0, 0.5, 4.0),
             grouped: lin(30.0, 6.0, 0.0),
             fused: None,
+            one_token: None,
             overhead_us: 0.0,
             source: ModelSource::Profile,
         };
@@ -349,6 +388,7 @@ mod tests {
             decode: lin(10.0, 1.0, 2.0),
             grouped: lin(30.0, 2.5, 0.0),
             fused: Some(lin(20.0, 1.6, 0.5)),
+            one_token: None,
             overhead_us: 8.0,
             source: ModelSource::Profile,
         };
@@ -366,6 +406,39 @@ mod tests {
         assert_eq!(two.fixed_choice(4, 8, 128), Some(KernelFamily::GroupedGemm));
         let free = DispatchModel { overhead_us: 0.0, ..two };
         assert_eq!(free.fixed_choice(4, 8, 128), Some(KernelFamily::GroupedGemm));
+    }
+
+    #[test]
+    fn one_token_steps_take_the_family_the_profile_timed_fastest() {
+        // Planes that tie at one token (decode 10 + 1.5 * 8 + 1.25 * 8 = 32 against fused
+        // 16 + 1 * 8 + 1 * 8 = 32), while the timings put fused 5% ahead.
+        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+        let (dec, grp, fus) = (lin(10.0, 1.5, 1.25), lin(30.0, 2.5, 0.0), lin(16.0, 1.0, 1.0));
+        let mut samples = Vec::new();
+        for (m, d) in [(1u32, 8u32), (2, 16), (4, 15), (4, 29), (8, 22), (8, 50), (12, 60), (15, 70)] {
+            for (family, c) in
+                [(KernelFamily::WarpDecode, dec), (KernelFamily::GroupedGemm, grp), (KernelFamily::Fused, fus)]
+            {
+                let mut us = c.predict(d, m * 8) as f64;
+                if m == 1 {
+                    us *= if family == KernelFamily::Fused { 0.97 } else { 1.02 };
+                }
+                for _ in 0..if m == 1 { 5 } else { 1 } {
+                    samples.push(Sample { family, m: m as usize, distinct: d, pairs: m * 8, us });
+                }
+            }
+        }
+        let model = DispatchModel::fit(&samples).unwrap();
+        assert_eq!(model.one_token, Some(KernelFamily::Fused));
+        assert_eq!(model.fixed_choice(1, 8, 128), Some(KernelFamily::Fused));
+        // A layer without the fused family has no fused one-token choice: the planes decide.
+        let two = model.restricted(false);
+        assert_eq!((two.fused, two.one_token), (None, None));
+        assert_eq!(two.fixed_choice(1, 8, 128), Some(KernelFamily::WarpDecode));
+        // No one-token samples of a family that has samples: no one-token choice.
+        let partial: Vec<Sample> =
+            samples.iter().filter(|s| s.m > 1 || s.family != KernelFamily::GroupedGemm).copied().collect();
+        assert_eq!(DispatchModel::fit(&partial).unwrap().one_token, None);
     }
 
     #[test]

@@ -103,6 +103,7 @@ impl DispatchProfile {
             "decode": cost(&self.model.decode),
             "grouped": cost(&self.model.grouped),
             "fused": self.model.fused.as_ref().map(cost),
+            "one_token": self.model.one_token.map(|f| f.name()),
             "overhead_us": self.model.overhead_us,
             "samples": samples,
         })
@@ -123,13 +124,22 @@ impl DispatchProfile {
             }
         };
         let overhead = finite(&v["overhead_us"]).ok_or_else(|| corrupt("no finite `overhead_us`".into()))?;
+        let family_named = |n: &str| {
+            [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::Fused]
+                .into_iter()
+                .find(|f| f.name() == n)
+        };
+        // Absent or null: fitted before the one-token choice existed, or without one-token samples.
+        let one_token = match &v["one_token"] {
+            serde_json::Value::Null => None,
+            n => Some(
+                n.as_str().and_then(family_named).ok_or_else(|| corrupt(format!("`one_token` {n} names no family")))?,
+            ),
+        };
         let mut samples = Vec::new();
         for s in v["samples"].as_array().ok_or_else(|| corrupt("no `samples` array".into()))? {
-            let family = match s[0].as_str() {
-                Some(n) if n == KernelFamily::WarpDecode.name() => KernelFamily::WarpDecode,
-                Some(n) if n == KernelFamily::GroupedGemm.name() => KernelFamily::GroupedGemm,
-                Some(n) if n == KernelFamily::Fused.name() => KernelFamily::Fused,
-                _ => return Err(corrupt(format!("a sample of no known family: {s}"))),
+            let Some(family) = s[0].as_str().and_then(family_named) else {
+                return Err(corrupt(format!("a sample of no known family: {s}")));
             };
             let n = |i: usize| s[i].as_u64().ok_or_else(|| corrupt(format!("sample {s}: field {i}")));
             let us = finite(&s[4]).ok_or_else(|| corrupt(format!("sample {s}: no time")))?;
@@ -144,6 +154,7 @@ impl DispatchProfile {
                 grouped: cost("grouped")?,
                 // Absent or null: profiled without the fused family.
                 fused: if v["fused"].is_null() { None } else { Some(cost("fused")?) },
+                one_token,
                 overhead_us: overhead as f32,
                 source: ModelSource::Profile,
             },
@@ -387,6 +398,7 @@ mod tests {
                 decode: lin(6.5, 0.93, 1.57),
                 grouped: lin(27.25, 2.15, 0.024),
                 fused: Some(lin(11.0, 1.9, 1.2)),
+                one_token: Some(KernelFamily::Fused),
                 overhead_us: 9.9,
                 source: ModelSource::Profile,
             },
@@ -404,6 +416,11 @@ mod tests {
         assert_eq!(DispatchProfile::load(dir.path(), &p.device, &spec).unwrap(), Some(p.clone()));
         // No file: no profile. Another GPU's name: another file.
         assert_eq!(DispatchProfile::load(dir.path(), "NVIDIA H200", &spec).unwrap(), None);
+        // A file from before the one-token choice (no `one_token`) reads as none.
+        let old = p.to_json().replacen("\"one_token\":\"fused\",", "", 1);
+        assert_ne!(old, p.to_json());
+        let read = DispatchProfile::from_json(&old, &path).unwrap();
+        assert_eq!(read.model, DispatchModel { one_token: None, ..p.model });
     }
 
     #[test]
@@ -413,7 +430,9 @@ mod tests {
         let path = p.save(dir.path(), &spec).unwrap();
         let json = p.to_json();
         let no_overhead = json.replacen("\"overhead_us\":", "\"overhead_us\":null,\"was\":", 1);
-        for bad in [&json[..json.len() / 2], "[]", &no_overhead] {
+        let odd_family = json.replacen("\"one_token\":\"fused\"", "\"one_token\":\"fastest\"", 1);
+        assert_ne!(odd_family, json);
+        for bad in [&json[..json.len() / 2], "[]", &no_overhead, &odd_family] {
             std::fs::write(&path, bad).unwrap();
             let e = DispatchProfile::load(dir.path(), &p.device, &spec).unwrap_err();
             assert!(matches!(e, ProfileError::Corrupt { .. }), "{bad}: {e}");
