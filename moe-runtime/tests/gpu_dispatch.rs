@@ -204,6 +204,17 @@ fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
         assert!(err < 0.3, "{s:?}: predicted {} us", c.predict(s.distinct, s.pairs));
     }
     assert!(p.model.overhead_us >= 0.0 && p.model.overhead_us < 50.0, "{:?}", p.model);
+    // One token takes the family of least median time over the profile's one-token steps.
+    let one = p.model.one_token.expect("every family was timed at one token");
+    assert_eq!(p.model.fixed_choice(1, 8, 128), Some(one));
+    let at_one = |f: KernelFamily| {
+        let mut t: Vec<f64> = p.samples.iter().filter(|s| s.m == 1 && s.family == f).map(|s| s.us).collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    for f in [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::Fused] {
+        assert!(at_one(one) <= at_one(f), "{one}: {} us against {f}: {} us", at_one(one), at_one(f));
+    }
     let path = p.save(dev.cache_dir(), &spec).unwrap();
     let again = MoeLayer::load(&dev, spec, &w).unwrap();
     assert_eq!(again.dispatch_model(), Some(p.model), "{}", path.display());
