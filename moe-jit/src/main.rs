@@ -575,8 +575,8 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
             for (f, regs, spill, stack) in resource_report(&log) {
                 line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
             }
-            // ptxas warnings, e.g. wgmma serialized for lack of registers.
-            for w in log.lines().filter(|l| l.contains("warning")) {
+            // ptxas warnings and performance notes, e.g. wgmma serialized (C7518).
+            for w in log.lines().filter(|l| l.contains("warning") || l.contains("Performance Loss")) {
                 line += &format!("\n        {w}");
             }
         }
