@@ -32,10 +32,7 @@ pub struct GemmTiles {
     /// GEMM blocks meant to be resident per SM (their `__launch_bounds__`): two blocks hide each
     /// other's barriers, epilogues and pipeline fills, at half the registers and shared memory.
     pub blocks_per_sm: u32,
-    /// The tensor-core instruction the tiles are computed with. For weights decoded in
-    /// registers ([`decodes_weights`]), `Wgmma` is the mixed-input GEMMs' warpgroup mainloop:
-    /// the decoded weights as wgmma's register A, the tokens' activations as its shared-memory B
-    /// (sm_90a; [`GemmTiles::wq_wgmma`] says where it applies).
+    /// The tensor-core instruction the tiles are computed with.
     pub mma: Mma,
     /// wgmma only: a producer warpgroup (TMA for the weights, cp.async for the gathered rows)
     /// feeds two consumer warpgroups through mbarriers, persistently across tiles. Otherwise
@@ -96,11 +93,6 @@ pub(crate) fn wq_bits(spec: &MoeSpec) -> Option<u32> {
     decodes_weights(spec).then(|| spec.weight_format().elem_bits())
 }
 
-/// Codes per pipeline stage of a mixed-input GEMM with `bits`-bit codes: four 16-byte vectors.
-pub(crate) fn wq_sub(bits: u32) -> u32 {
-    4 * 128 / bits
-}
-
 /// One pipeline stage of a mixed-input GEMM (`WqShape::STAGE_BYTES` in `gemm_wq.cuh`): four
 /// 16-byte vectors of each of `bn` weight rows of `bits`-bit codes, as stored, and the same
 /// codes' activations (16-bit) of each of `bm` token rows.
@@ -141,18 +133,12 @@ impl GemmTiles {
         crate::heuristics::gemm_tiles(&spec.kernel_spec(), arch)
     }
 
-    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN][,wgmma|,mma]` (e.g.
-    /// `128,128,4,1`, `256,256,4,1,0`, `256,256,4,1,1,1,1,16`, `128,128,6,3,bm16` or
-    /// `128,128,4,2,wgmma`) over these defaults; `ws` is 1 for the warp-specialised pipeline, 0
-    /// for the block-barrier one (which implies cluster 1, lag 0, tail 0); a last `wgmma` or `mma`
-    /// picks the tensor-core instruction.
+    /// Parse `bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]` (e.g. `128,128,4,1`,
+    /// `256,256,4,1,0`, `256,256,4,1,1,1,1,16` or `128,128,6,3,bm16`) over these defaults; `ws` is 1 for the
+    /// warp-specialised pipeline, 0 for the block-barrier one (which implies cluster 1, lag 0,
+    /// tail 0).
     pub fn parse(self, s: &str) -> Option<GemmTiles> {
-        let (s, mma) = match s.rsplit_once(',') {
-            Some((head, "wgmma")) => (head, Mma::Wgmma),
-            Some((head, "mma")) => (head, Mma::MmaSync),
-            _ => (s, self.mma),
-        };
-        // An optional field `bmN` sets the token rows per tile.
+        // An optional last field `bmN` sets the token rows per tile.
         let (s, bm) = match s.rsplit_once(',') {
             Some((head, last)) if last.trim().starts_with("bm") => (head, last.trim()[2..].parse().ok()?),
             _ => (s, self.bm),
@@ -167,7 +153,7 @@ impl GemmTiles {
             [a, b, c, d, w @ (0 | 1), cl, l, t] => (a, b, c, d, w == 1, cl, l, t),
             _ => return None,
         };
-        Some(GemmTiles { bm, bn1, bn2, stages, blocks_per_sm, mma, warp_specialized: ws, cluster, lag, tail })
+        Some(GemmTiles { bm, bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, tail, ..self })
     }
 
     /// The rows GEMM1's extended items add (`tail` where the pipeline allows it, else 0).
@@ -198,39 +184,10 @@ impl GemmTiles {
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
-    /// `bn` weight rows of `bits`-bit codes per tile: its stages ([`wq_stage_bytes`]), alignment
-    /// slack (1 KiB for the wgmma mainloop, whose activations take the 128-byte swizzle's 1 KiB
-    /// alignment; else 128 bytes) and each stage's two 8-byte mbarriers.
+    /// `bn` weight rows of `bits`-bit codes per tile: its stages ([`wq_stage_bytes`]), 128 bytes
+    /// of alignment slack and each stage's two 8-byte mbarriers.
     fn wq_smem_bytes(&self, bn: u32, bits: u32) -> u32 {
-        let slack = if self.mma == Mma::Wgmma { 1024 } else { 128 };
-        self.stages * (wq_stage_bytes(self.bm, bn, bits) + 16) + slack
-    }
-
-    /// Whether these tiles take the mixed-input GEMMs' wgmma mainloop for `spec` on `arch`:
-    /// weights decoded in registers, `mma` wgmma, on sm_90a, one 16-row fragment per warp (bn1
-    /// and bn2 at most 128: four warps then span wgmma's 64 rows) and whole stages along both
-    /// K (the activations' order within a stage follows the fragments, so no half stage).
-    pub fn wq_wgmma(&self, spec: &MoeSpec, arch: Arch) -> Result<bool, String> {
-        let spec = &spec.kernel_spec();
-        let Some(bits) = wq_bits(spec) else { return Ok(false) };
-        if self.mma != Mma::Wgmma {
-            return Ok(false);
-        }
-        let sub = wq_sub(bits);
-        if arch != Arch::Sm90a {
-            return Err("the mixed-input wgmma mainloop needs sm_90a".into());
-        }
-        if self.warp_specialized || self.bn1 > 128 || self.bn2 > 128 {
-            return Err(format!("the mixed-input wgmma mainloop on tiles {self:?} (block-barrier, bn 64 or 128)"));
-        }
-        if spec.hidden() % sub != 0 || spec.intermediate() % sub != 0 {
-            return Err(format!(
-                "the mixed-input wgmma mainloop with hidden {} and intermediate {}: whole {sub}-code stages",
-                spec.hidden(),
-                spec.intermediate()
-            ));
-        }
-        Ok(true)
+        self.stages * (wq_stage_bytes(self.bm, bn, bits) + 16) + 128
     }
 
     /// Dynamic shared memory of a GEMM kernel with `bn` columns and `ext` extended rows: the
@@ -340,8 +297,6 @@ struct GroupedGemmCu {
     tail: u32,
     mid_fp8: bool,
     x_per_row: bool,
-    /// Weights decoded in registers, on the wgmma mainloop ([`GemmTiles::wq_wgmma`]).
-    wq_wgmma: bool,
     /// Weights decoded in registers: the codes per 32-bit word (8 or 4) within which x and the
     /// intermediate are stored paired (`x_pair_col`), else 0.
     x_pair_group: u32,
@@ -351,11 +306,6 @@ struct GroupedGemmCu {
     mma_k: u32,
     wgmma_trans: &'static str,
     wgmma_ns: Vec<WgmmaN>,
-    /// The mixed-input wgmma mainloop's N (tokens per warpgroup, live fragments rounded up to a
-    /// power of two): 8 up to the tile's rows.
-    wq_wgmma_ns: Vec<WgmmaN>,
-    /// The mixed-input GEMMs' MMA type (the activations'): bf16 or f16.
-    wq_mma_type: &'static str,
     router: RouterCtx,
     /// The kernels' parameter structs ([`crate::params`]).
     params: String,
@@ -438,10 +388,9 @@ impl GemmTiles {
             )));
         }
         let f = spec.weight_format();
-        if wq && tiles.warp_specialized {
-            return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the block-barrier pipeline)")));
+        if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
+            return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
         }
-        tiles.wq_wgmma(spec, arch).map_err(unsupported)?;
         if wq {
             crate::render::resolve_dequant(spec, arch)?;
         }
@@ -569,8 +518,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
     );
     let t = GroupedGemmCu {
         name: name.clone(),
-        wgmma: (tiles.mma == Mma::Wgmma && !wq) as u32,
-        wq_wgmma: tiles.wq_wgmma(spec, arch).map_err(|what| CodegenError::Unsupported { family, arch, what })?,
+        wgmma: (tiles.mma == Mma::Wgmma) as u32,
         ws: tiles.warp_specialized as u32,
         group_tiles: GROUP_TILES,
         hot_tiles: HOT_TILES,
@@ -600,12 +548,6 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         mma_k: 32 / elem_bytes,
         wgmma_trans: if elem_bytes == 2 { ", 0, 0" } else { "" },
         wgmma_ns: ns.into_iter().map(|n| WgmmaN { n, regs: n / 2 }).collect(),
-        wq_mma_type: act16,
-        wq_wgmma_ns: [8, 16, 32, 64, 128]
-            .into_iter()
-            .filter(|&n| n <= tiles.bm)
-            .map(|n| WgmmaN { n, regs: n / 2 })
-            .collect(),
         router,
         params: crate::params::grouped_decls(),
         gemm1_smem: tiles.gemm1_smem_bytes(spec),

@@ -58,11 +58,9 @@ struct WqShape {
     static constexpr int W_BYTES = BN * 64;  // one stage of weights
     static constexpr int X_BYTES = BM * WQ_X_ROW;
     static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
-    // + alignment slack (wgmma's 128-byte swizzle: 1 KiB), then each stage's full and empty mbarriers
-    static constexpr int ALIGN = X_WG ? 1024 : 128;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + ALIGN + 16 * STAGES;
+    // + alignment slack, then each stage's full and empty mbarriers
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 128 + 16 * STAGES;
     static_assert(BN * 4 % 32 == 0, "whole weight chunks per lane");
-    static_assert(!X_WG || (MF == 1 && STAGE_BYTES % 1024 == 0 && W_BYTES % 1024 == 0), "wgmma: a fragment per warp, 1 KiB stages");
 };
 // Where 16-byte chunk j of token row n lies in its stage row: swizzled so that the threads of one
 // shared-memory phase (two rows, each thread its W_VEC activations) hit different banks.
@@ -70,56 +68,6 @@ __device__ __forceinline__ int wq_x_chunk(int n, int j) {
     if constexpr (WQ_X_ROW == 128) return j ^ (n & 7);
     else return j ^ ((j >> 3) & 1) ^ ((n & 1) << 1);
 }
-// Byte offset of chunk j of token row n in a stage's activations. wgmma (X_WG): wgmma's K-major
-// 128-byte-swizzle layout, each 64 codes of K a block of BM rows of 128 bytes (8-row groups 1 KiB
-// apart), chunks swizzled by the row.
-__device__ __forceinline__ int wq_x_off(int n, int j) {
-    if constexpr (X_WG) return (j >> 3) * (BM * 128) + n * 128 + (((j & 7) ^ (n & 7)) << 4);
-    else return n * WQ_X_ROW + (wq_x_chunk(n, j) << 4);
-}
-
-{%- if wq_wgmma %}
-__device__ __forceinline__ unsigned long long wq_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-__device__ __forceinline__ void wq_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void wq_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-
-// m64nNk16 with A (the decoded weights, a 16 x 16 fragment per warp as mma.sync's) from registers
-// and B (N token rows x 32 bytes of K) from shared memory: d += A . B^T.
-template <int N>
-struct WqWgmma;
-{%- for w in wq_wgmma_ns %}
-template <>
-struct WqWgmma<{{ w.n }}> {
-    static __device__ __forceinline__ void mma(float* d, const unsigned (&a)[4], unsigned long long b) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n{{ w.n }}k16.f32.{{ wq_mma_type }}.{{ wq_mma_type }} "
-            "{ {% for i in 0..w.regs %}%{{ i }}{% if !loop.last %}, {% endif %}{% endfor %} }, "
-            "{ %{{ w.regs }}, %{{ w.regs + 1 }}, %{{ w.regs + 2 }}, %{{ w.regs + 3 }} }, %{{ w.regs + 4 }}, p, 1, 1, 0;\n}\n"
-            : {% for i in 0..w.regs %}"+f"(d[{{ i }}]){% if !loop.last %}, {% endif %}{% endfor %}
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    }
-};
-{%- endfor %}
-// One stage on wgmma: the warpgroup's N token rows (from sb) times its decoded A fragments, k16
-// step st taking slot pairs 2 st and 2 st + 1 (x_pair_col stored the activations in that k
-// order). Waited on at once: the other warpgroups decode meanwhile.
-template <int N, int NWORDS>
-__device__ __forceinline__ void wq_wgmma_stage(float* acc, const unsigned (&a)[2][NWORDS], unsigned sb) {
-    wq_fence_async_smem();  // the stage's activations arrived through the generic proxy (cp.async)
-    wq_wgmma_fence();
-#pragma unroll
-    for (int st = 0; st < NWORDS / 2; ++st) {
-        const unsigned af[4] = {a[0][2 * st], a[1][2 * st], a[0][2 * st + 1], a[1][2 * st + 1]};
-        WqWgmma<N>::mma(acc, af, wq_desc(sb + (st >> 2) * (BM * 128) + (st & 3) * 32));
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-{%- endif %}
 
 using WqShape1 = WqShape<BN1>;
 using WqShape2 = WqShape<BN2>;
@@ -323,7 +271,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     constexpr int WARPS = GEMM_THREADS / 32;
     constexpr int NWORDS = 4 * WQ_PAIRS;  // pairs a thread's vector decodes to
     constexpr int XCH = WQ_X_ROW / 16;    // 16-byte chunks of a token row per stage
-    const unsigned base = (smem_u32(smem) + (S::ALIGN - 1)) & ~(unsigned)(S::ALIGN - 1);
+    const unsigned base = (smem_u32(smem) + 127u) & ~127u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;  // full[s] at bars + 8 s, empty[s] after them
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int c = lane % 4, g = lane / 4;
@@ -360,7 +308,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             const int r = q / XCH, ch = q % XCH;
             const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
             const act_t* src = xrow(it, r) + 8 * ch;
-            cp_async16(sx + wq_x_off(r, ch), in ? src + kt * WQ_SUB : src, in);
+            cp_async16(sx + r * WQ_X_ROW + (wq_x_chunk(r, ch) << 4), in ? src + kt * WQ_SUB : src, in);
         }
         // The scale lines of the stage's rows, brought into L2 as far ahead as the weights (the
         // registers below take the scales one stage ahead).
@@ -375,10 +323,10 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     struct Scales {
         WScale s[S::MF][2];
     };
-    // a: the thread's vector of each of its rows, decoded; slot pair q of row h.
-    auto compute = [&](int stage, const Scales& ws, float (&acc)[S::MF][S::NF][4], int live,
-                       unsigned (&a)[S::MF][2][NWORDS]) {
+    auto compute = [&](int stage, const Scales& ws, float (&acc)[S::MF][S::NF][4], int live) {
         const unsigned sw = base + stage * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+        // A: the thread's vector of each of its rows, decoded; slot pair q of row h.
+        unsigned a[S::MF][2][NWORDS];
         // One branch per warp and stage (not per word) for the rare scales past one multiply.
         bool big = false;
         if constexpr (WQ_BIG_SCALES) {
@@ -389,12 +337,6 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         }
         if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
         else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
-{%- if wq_wgmma %}
-        // B from shared memory: k16 step st's 32 bytes of the warpgroup's token rows (x_pair_col
-        // stored them in the A slots' k order). N: the live fragments, rounded up to a power of two.
-        (void)live;
-        wq_wgmma_stage<8 * S::NF>(&acc[0][0][0], a[0], sx + tok0 * 128);
-{%- else %}
         // B: the same W_VEC activations of each live token, stored paired as the slots are.
 #pragma unroll
         for (int nf = 0; nf < S::NF; ++nf) {
@@ -417,7 +359,6 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 }
             }
         }
-{%- endif %}
     };
     for (int f = warp; f < min(AHEAD, fills); f += WARPS) load(f);
     int done = 0;  // fills computed
@@ -457,9 +398,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             const Scales later = scales_at(min(kt + 2, KT - 1));
             const int stage = done % STAGES;
             mbar_wait(bars + 8 * stage, (done / STAGES) & 1);
-            unsigned a[S::MF][2][NWORDS];
-            // wgmma: every warp of a warpgroup issues it (a warpgroup's warps share their tokens).
-            if (X_WG || busy) compute(stage, cur, acc, live, a);
+            if (busy) compute(stage, cur, acc, live);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));
             cur = nxt;

@@ -45,31 +45,11 @@ static_assert(!X_PER_ROW || (FP8 && WSCALE == 1), "per-token activation scales g
 constexpr int X_PAIR_GROUP = {{ x_pair_group }};  // G, or 0: x as given
 constexpr bool X_PAIRED = X_PAIR_GROUP > 0;
 static_assert(!X_PAIRED || (HIDDEN % 8 == 0 && 8 % X_PAIR_GROUP == 0), "whole groups per 16-byte chunk of x");
-// The mixed-input GEMMs on wgmma (gemm_wq.cuh) read a stage's activations from shared memory in
-// the order of their A fragments' k: within each stage of 16 G codes, the paired row's 4-byte
-// pair u = 2 G c + 2 st + hi (thread c of a quad, k16 step st, its low or high k half) is stored
-// as pair 8 st + 4 hi + c (k16 step st's pair 4 hi + c: its k = 8 hi + 2 c, as wgmma's A slots).
-constexpr bool X_WG = {{ wq_wgmma }};
-static_assert(!X_WG || (HIDDEN % (16 * X_PAIR_GROUP) == 0 && INTER % (16 * X_PAIR_GROUP) == 0), "whole stages");
 // Where column n is stored in a paired row.
 __device__ __forceinline__ int x_pair_col(int n) {
     constexpr int G = X_PAIRED ? X_PAIR_GROUP : 2;  // (G = 2 leaves n in place)
     const int e = n % G;
-    const int p = n - e + 2 * (e % (G / 2)) + e / (G / 2);
-    if constexpr (!X_WG) return p;
-    const int u = p % (16 * G) / 2, c = u / (2 * G), st = u % (2 * G) / 2, hi = u % 2;
-    return p - p % (16 * G) + 2 * (8 * st + 4 * hi + c) + p % 2;
-}
-// The column stored at position q of a paired row (x_pair_col's inverse).
-__device__ __forceinline__ int x_real_col(int q) {
-    constexpr int G = X_PAIRED ? X_PAIR_GROUP : 2;
-    int p = q;
-    if constexpr (X_WG) {
-        const int u = q % (16 * G) / 2, st = u / 8, hi = u % 8 / 4, c = u % 4;
-        p = q - q % (16 * G) + 2 * (2 * G * c + 2 * st + hi) + q % 2;
-    }
-    const int e = p % G;
-    return p - e + e / 2 + (e % 2) * (G / 2);
+    return n - e + 2 * (e % (G / 2)) + e / (G / 2);
 }
 // Eight 16-bit columns (a 16-byte chunk, whole groups) in paired order.
 __device__ __forceinline__ uint4 x_pair_chunk(uint4 v) {

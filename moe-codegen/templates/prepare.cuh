@@ -72,19 +72,8 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
             // x's row in GEMM1's paired order (x_pair_col), into xq (act_t).
             const uint4* src = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
             uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<act_t*>(xq) + (long)t * HIDDEN);
-            if constexpr (X_WG) {
-                // Each chunk gathers 8 columns from across its stage (x_real_col).
-                const act_t* row = x + (long)t * HIDDEN;
-                for (int c = lane; c < HIDDEN / 8; c += 32) {
-                    alignas(16) act_t v[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = row[x_real_col(8 * c + e)];
-                    dst[c] = *reinterpret_cast<const uint4*>(v);
-                }
-            } else {
 #pragma unroll 4
-                for (int c = lane; c < HIDDEN / 8; c += 32) dst[c] = x_pair_chunk(src[c]);
-            }
+            for (int c = lane; c < HIDDEN / 8; c += 32) dst[c] = x_pair_chunk(src[c]);
         }
         __syncwarp();  // the next token's scores overwrite this one's
     }
