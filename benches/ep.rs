@@ -5,7 +5,7 @@
 //! slowest rank's median over five batches of replays.
 //!
 //! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
-//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--report FILE]`
+//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--report FILE]`
 
 use half::bf16;
 use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -110,7 +110,15 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
 
 /// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
 /// this rank.
-fn rank(r: usize, n: usize, id: &UniqueId, spec: &MoeSpec, tokens: &[usize], layer_tokens: &[usize]) -> Vec<[f64; 5]> {
+fn rank(
+    r: usize,
+    n: usize,
+    id: &UniqueId,
+    spec: &MoeSpec,
+    tokens: &[usize],
+    layer_tokens: &[usize],
+    fp8_dispatch: bool,
+) -> Vec<[f64; 5]> {
     let dev = Device::new(r).unwrap();
     let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
@@ -118,7 +126,8 @@ fn rank(r: usize, n: usize, id: &UniqueId, spec: &MoeSpec, tokens: &[usize], lay
     let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
-    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, EpConfig::new(max)).unwrap();
+    let cfg = EpConfig { fp8_dispatch, ..EpConfig::new(max) };
+    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, cfg).unwrap();
     tokens
         .iter()
         .map(|&m| {
@@ -186,6 +195,8 @@ fn main() {
     let tokens: Vec<usize> = list(&args, "--tokens").unwrap_or(vec![1, 8, 128, 1024, 4096]);
     // `--layer-tokens none`: no whole-layer rows (and no one-GPU baseline).
     let layer_tokens: Vec<usize> = list(&args, "--layer-tokens").unwrap_or(vec![4096]);
+    // `--fp8-dispatch`: tokens travel to their peers in e4m3 (EpConfig::fp8_dispatch).
+    let fp8_dispatch = args.iter().any(|a| a == "--fp8-dispatch");
     // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
     let mut nccl_env: Vec<String> =
         std::env::vars().filter(|(k, _)| k.starts_with("NCCL_")).map(|(k, v)| format!("{k}={v}")).collect();
@@ -215,7 +226,7 @@ fn main() {
                 .map(|r| {
                     sc.spawn({
                         let (id, spec, all, layer_tokens) = (&id, &spec, &all, &layer_tokens);
-                        move || rank(r, n, id, spec, all, layer_tokens)
+                        move || rank(r, n, id, spec, all, layer_tokens, fp8_dispatch)
                     })
                 })
                 .collect();
@@ -237,7 +248,7 @@ fn main() {
                 let mut row = serde_json::json!({
                     "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
-                    "nccl_env": nccl_env,
+                    "nccl_env": nccl_env, "dispatch_dtype": if fp8_dispatch { "e4m3" } else { "bf16" },
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n}: {us:9.1} us");

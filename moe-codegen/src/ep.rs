@@ -22,6 +22,8 @@ pub mod ep_entry {
     pub const PLACE: &str = "moe_ep_place";
     /// Activations into the peers' slabs.
     pub const PACK: &str = "moe_ep_pack";
+    /// fp8 dispatch: received rows back into the activation dtype.
+    pub const UNPACK: &str = "moe_ep_unpack";
     /// Partial outputs summed in rank order.
     pub const COMBINE: &str = "moe_ep_combine";
 }
@@ -38,19 +40,25 @@ struct EpCu {
     max_ranks: u32,
     plan_threads: u32,
     row_threads: u32,
+    /// Tokens travel in e4m3 with per-128-column scales ([`render_ep`]'s `fp8`).
+    wire_fp8: bool,
 }
 
 /// Render the exchange kernels of `spec` (the whole layer's spec, every expert counted) for
-/// `arch`. Like the dequant probe, the module is not a compute family: its `family` field reads
-/// `WarpDecode` and it belongs in no family's source list.
-pub fn render_ep(spec: &MoeSpec, arch: Arch) -> Result<KernelSource, CodegenError> {
+/// `arch`; `fp8`: tokens travel to their peers in e4m3 with one f32 scale per 128 columns (the
+/// hidden size a multiple of 128). Like the dequant probe, the module is not a compute family:
+/// its `family` field reads `WarpDecode` and it belongs in no family's source list.
+pub fn render_ep(spec: &MoeSpec, arch: Arch, fp8: bool) -> Result<KernelSource, CodegenError> {
     count_render();
+    let unsupported = |what: String| CodegenError::Unsupported { family: KernelFamily::WarpDecode, arch, what };
     if spec.shared_experts() > 0 {
-        return Err(CodegenError::Unsupported {
-            family: KernelFamily::WarpDecode,
-            arch,
-            what: "expert parallelism with shared experts (run them on the token's own rank)".into(),
-        });
+        return Err(unsupported("expert parallelism with shared experts (run them on the token's own rank)".into()));
+    }
+    if fp8 && spec.hidden() % 128 != 0 {
+        return Err(unsupported(format!(
+            "fp8 dispatch with hidden = {}: one scale per 128 columns needs a multiple of 128",
+            spec.hidden()
+        )));
     }
     let t = EpCu {
         spec_id: spec.id(),
@@ -62,14 +70,24 @@ pub fn render_ep(spec: &MoeSpec, arch: Arch) -> Result<KernelSource, CodegenErro
         max_ranks: EP_MAX_RANKS,
         plan_threads: EP_PLAN_THREADS,
         row_threads: EP_ROW_THREADS,
+        wire_fp8: fp8,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
-        name: format!("ep_exchange_h{}_e{}_k{}_{}", spec.hidden(), spec.experts(), spec.top_k(), spec.act_dtype()),
+        name: format!(
+            "ep_exchange_h{}_e{}_k{}_{}{}",
+            spec.hidden(),
+            spec.experts(),
+            spec.top_k(),
+            spec.act_dtype(),
+            if fp8 { "_fp8" } else { "" }
+        ),
         source,
-        entry_points: [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::COMBINE].map(String::from).to_vec(),
+        entry_points: [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE]
+            .map(String::from)
+            .to_vec(),
         block_threads: EP_ROW_THREADS,
         decode_tiles: None,
         grouped_tiles: None,
@@ -86,7 +104,7 @@ mod tests {
     fn geometry_is_baked_in_and_the_name_ignores_the_format() {
         let a = MoeSpec::builder(7168, 2048, 256, 8).build().unwrap();
         let b = MoeSpec::builder(7168, 2048, 256, 8).weight_format(WeightFormat::Fp8E4m3).build().unwrap();
-        let (ka, kb) = (render_ep(&a, Arch::Sm90a).unwrap(), render_ep(&b, Arch::Sm90a).unwrap());
+        let (ka, kb) = (render_ep(&a, Arch::Sm90a, false).unwrap(), render_ep(&b, Arch::Sm90a, false).unwrap());
         for needle in ["constexpr int HIDDEN = 7168;", "constexpr int TOP_K = 8;", "constexpr int EXPERTS = 256;"] {
             assert!(ka.source.contains(needle), "missing {needle}");
         }
@@ -99,6 +117,17 @@ mod tests {
     #[test]
     fn shared_experts_are_refused() {
         let s = MoeSpec::builder(2048, 1408, 60, 4).build().unwrap().with_shared_experts(4, true).unwrap();
-        assert!(matches!(render_ep(&s, Arch::Sm90a), Err(CodegenError::Unsupported { .. })));
+        assert!(matches!(render_ep(&s, Arch::Sm90a, false), Err(CodegenError::Unsupported { .. })));
+    }
+
+    #[test]
+    fn fp8_dispatch_needs_whole_scale_blocks_and_is_its_own_module() {
+        let a = MoeSpec::builder(7168, 2048, 256, 8).build().unwrap();
+        let (plain, fp8) = (render_ep(&a, Arch::Sm90a, false).unwrap(), render_ep(&a, Arch::Sm90a, true).unwrap());
+        assert_ne!(plain.name, fp8.name);
+        assert!(fp8.source.contains("constexpr bool WIRE_FP8 = true;"));
+        let gpt_oss = MoeSpec::builder(2880, 2880, 32, 4).build().unwrap();
+        assert!(render_ep(&gpt_oss, Arch::Sm90a, false).is_ok());
+        assert!(matches!(render_ep(&gpt_oss, Arch::Sm90a, true), Err(CodegenError::Unsupported { .. })));
     }
 }

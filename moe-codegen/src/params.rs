@@ -337,6 +337,13 @@ kernel_params! {
         rank: i32 = "int",
         ranks: i32 = "int",
     }
+    /// `moe_ep_unpack`: fp8 dispatch, the received slabs' rows back into the activation dtype.
+    EpUnpackParams {
+        recv: u64 = "const char* __restrict__",
+        x_recv: u64 = "uint4* __restrict__",
+        rows: i32 = "int",
+        slots: i32 = "int",
+    }
     /// `moe_ep_combine`: each token's partial outputs, summed in rank order.
     EpCombineParams {
         y_self: u64 = "const uint4* __restrict__",
@@ -352,7 +359,14 @@ kernel_params! {
 
 /// The expert-parallel exchange module's parameter structs.
 pub fn ep_decls() -> String {
-    [EpCountParams::c_decl(), EpPlaceParams::c_decl(), EpPackParams::c_decl(), EpCombineParams::c_decl()].concat()
+    [
+        EpCountParams::c_decl(),
+        EpPlaceParams::c_decl(),
+        EpPackParams::c_decl(),
+        EpUnpackParams::c_decl(),
+        EpCombineParams::c_decl(),
+    ]
+    .concat()
 }
 
 /// The declarations the grouped module needs.

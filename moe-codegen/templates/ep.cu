@@ -28,11 +28,17 @@ constexpr int VEC_ELEMS = 16 / (int)sizeof(act_t);
 static_assert(HIDDEN * sizeof(act_t) % 16 == 0, "activation rows are whole 16-byte vectors");
 static_assert(MAX_RANKS <= 64, "a token's destinations are one 64-bit mask");
 constexpr long ROW_BYTES = (long)ROW_VECS * 16;
+// fp8 dispatch: a token travels as e4m3, one f32 scale per 128 of its columns (amax / 448), the
+// scales after the codes, the row padded to 16 bytes; the receiver unpacks it (moe_ep_unpack).
+constexpr bool WIRE_FP8 = {{ wire_fp8 }};
+static_assert(!WIRE_FP8 || HIDDEN % 128 == 0, "fp8 dispatch: whole 128-column scale blocks");
+constexpr long WIRE_ROW_BYTES = WIRE_FP8 ? (HIDDEN + HIDDEN / 32 + 15) / 16 * 16 : ROW_BYTES;
 
-// A peer slab, one NCCL transfer: `rows` activation rows, then the rows' local expert ids, then
-// their weights (`slots` per row), each part 16-byte aligned (the host's `slab_bytes`).
+// A peer slab, one NCCL transfer: `rows` activation rows (as they travel), then the rows' local
+// expert ids, then their weights (`slots` per row), each part 16-byte aligned (the host's
+// `slab_bytes`).
 __device__ __forceinline__ long meta_bytes(int rows, int slots) { return ((long)rows * slots * 4 + 15) / 16 * 16; }
-__device__ __forceinline__ long slab_bytes(int rows, int slots) { return rows * ROW_BYTES + 2 * meta_bytes(rows, slots); }
+__device__ __forceinline__ long slab_bytes(int rows, int slots) { return rows * WIRE_ROW_BYTES + 2 * meta_bytes(rows, slots); }
 // Slab j's offset in the send buffer: the slabs for peers rank + 1, ..., rank + j - 1 before it.
 __device__ __forceinline__ long slab_offset(const int* __restrict__ slots, int j, int rows, int rank, int ranks) {
     long off = 0;
@@ -159,7 +165,7 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
         for (int j = 0; j < ranks; ++j) {
             const int s = slots[(rank + j) % ranks];
             slab_slots[j] = s;
-            slab_ids[j] = off + rows * ROW_BYTES;
+            slab_ids[j] = off + rows * WIRE_ROW_BYTES;
             if (j > 0) off += slab_bytes(rows, s);
         }
         dropped = 0;
@@ -239,11 +245,76 @@ moe_ep_pack(const __grid_constant__ EpPackParams params) {
     const int t = blockIdx.x;
     if (t >= m) return;
     const uint4* src = x + (long)t * ROW_VECS;
+    if constexpr (WIRE_FP8) {
+        // Each 16 lanes hold one 128-column block (8 columns each): its amax by shuffles, then
+        // the codes and (lane 0 of the 16) the scale into every slab the token goes to.
+        static_assert(ROW_THREADS % 32 == 0 && VEC_ELEMS == 8, "16 lanes per 128 columns");
+        for (int v0 = 0; v0 < ROW_VECS; v0 += ROW_THREADS) {
+            const int v = v0 + threadIdx.x;
+            const bool in = v < ROW_VECS;  // ROW_VECS is whole blocks of 16: a block is all in or out
+            float f[8];
+            const uint4 u = in ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
+            const act_t* a = reinterpret_cast<const act_t*>(&u);
+            float amax = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = act_to_f(a[i]), amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+            for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            const float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
+            unsigned q[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * h] * inv, f[4 * h + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * h + 2] * inv, f[4 * h + 3] * inv), __NV_SATFINITE, __NV_E4M3);
+                q[h] = (unsigned)lo | ((unsigned)hi << 16);
+            }
+            if (!in) continue;
+            for (int j = 1; j < ranks; ++j) {
+                const int row = __ldg(pos + (long)t * ranks + j);
+                if (row < 0) continue;
+                char* dst = send + slab_offset(slots, j, rows, rank, ranks) + row * WIRE_ROW_BYTES;
+                *reinterpret_cast<uint2*>(dst + 8 * v) = make_uint2(q[0], q[1]);
+                if (v % 16 == 0) *reinterpret_cast<float*>(dst + HIDDEN + 4 * (v / 16)) = scale;
+            }
+        }
+        return;
+    }
     for (int j = 1; j < ranks; ++j) {
         const int row = __ldg(pos + (long)t * ranks + j);
         if (row < 0) continue;
         uint4* dst = reinterpret_cast<uint4*>(send + slab_offset(slots, j, rows, rank, ranks) + row * ROW_BYTES);
         for (int v = threadIdx.x; v < ROW_VECS; v += ROW_THREADS) dst[v] = __ldg(src + v);
+    }
+}
+#endif
+
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_unpack)
+// fp8 dispatch: block (j - 1) rows + r turns row r of the received slab j back into act_t
+// (x_recv, slab j at (j - 1) * rows), for this rank's experts. Padding rows too: their ids are
+// -1, and no expert reads them.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+moe_ep_unpack(const __grid_constant__ EpUnpackParams params) {
+    MOE_UNPACK_EpUnpackParams(params);
+    if (!WIRE_FP8 || rows <= 0) return;
+    const int r = blockIdx.x % rows, j = blockIdx.x / rows + 1;
+    const char* src = recv + (long)(j - 1) * slab_bytes(rows, slots) + (long)r * WIRE_ROW_BYTES;
+    uint4* dst = x_recv + ((long)(j - 1) * rows + r) * ROW_VECS;
+    for (int v = threadIdx.x; v < ROW_VECS; v += ROW_THREADS) {
+        const uint2 q = *reinterpret_cast<const uint2*>(src + 8 * v);
+        const float scale = *reinterpret_cast<const float*>(src + HIDDEN + 4 * (v / 16));
+        const unsigned w[2] = {q.x, q.y};
+        uint4 out;
+        act_t* o = reinterpret_cast<act_t*>(&out);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const __half2_raw p = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[h] >> (16 * b)), __NV_E4M3);
+                const float2 fp = __half22float2(*reinterpret_cast<const __half2*>(&p));
+                f_to_act(fp.x * scale, o[4 * h + 2 * b]);
+                f_to_act(fp.y * scale, o[4 * h + 2 * b + 1]);
+            }
+        dst[v] = out;
     }
 }
 #endif

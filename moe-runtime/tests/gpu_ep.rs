@@ -128,6 +128,78 @@ fn ep_layer_matches_the_single_gpu_layer() {
     }
 }
 
+/// fp8 dispatch: every token routed to the next rank's experts only, so that all of its output
+/// comes through the e4m3 rows, against the single-GPU layer on x quantized the same way (one
+/// scale per 128 columns, `quant_e4m3`) and rounded back to bf16; then with random routing
+/// against the single-GPU layer on x as given (the quantization's own error, printed, loosely
+/// bounded). Bit-identical run to run.
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn fp8_dispatch_matches_the_layer_on_quantized_activations() {
+    let n = ranks();
+    let spec = qwen3();
+    let (seed, k) = (fresh_seed(), spec.top_k() as usize);
+    let w = random_weights(&spec, seed);
+    let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+    let ms = [1, 7, 128, 1000];
+    // steps[case][rank]: remote-only routing (cases 0..4), then random routing (4..8).
+    let steps: Vec<Vec<Step>> = [true, false]
+        .iter()
+        .flat_map(|&remote| ms.map(|m| (remote, m)))
+        .enumerate()
+        .map(|(c, (remote, m))| {
+            (0..n)
+                .map(|r| {
+                    let (x, mut ids, rw) = random_step(&spec, m, 0.0, seed ^ (1000 * c + r) as u64);
+                    if remote {
+                        let theirs = map.experts_of((r + 1) % n);
+                        for (t, row) in ids.chunks_mut(k).enumerate() {
+                            for (s, id) in row.iter_mut().enumerate() {
+                                *id = theirs[(7 * t + 9 * s) % theirs.len()] as i32;
+                            }
+                        }
+                    }
+                    (x, ids, rw)
+                })
+                .collect()
+        })
+        .collect();
+    // The single-GPU layer sees x as the peers' experts do: bf16, e4m3 per 128 columns, bf16.
+    let quantized = |(x, ids, rw): &Step| -> Step {
+        let xb: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let xq = moe_runtime::reference::quant_e4m3(&xb, 128).into_iter().map(|v| bf16::from_f32(v).to_f32()).collect();
+        (xq, ids.clone(), rw.clone())
+    };
+    let flat: Vec<Step> = steps
+        .iter()
+        .enumerate()
+        .flat_map(|(c, per_rank)| per_rank.iter().map(move |s| if c < ms.len() { quantized(s) } else { s.clone() }))
+        .collect();
+    let want = single_gpu(&spec, &w, &flat);
+    let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
+        let (dev, c) = comm(r, n, id, 60);
+        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+        let cfg = EpConfig { fp8_dispatch: true, ..EpConfig::new(1000) };
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
+        let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
+        layer.take_errors().unwrap();
+        out
+    });
+    for (r, per_case) in got.iter().enumerate() {
+        for (c, (a, b)) in per_case.iter().enumerate() {
+            let (remote, m) = (c < ms.len(), ms[c % ms.len()]);
+            assert_eq!(a, b, "rank {r} m {m}: two runs differ");
+            let y: Vec<f32> = a.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
+            let reference: Vec<f64> = want[c * n + r].iter().map(|&v| v as f64).collect();
+            let (rel, cos) = compare(&y, &reference);
+            let what = if remote { "remote only, vs quantized x" } else { "random routing, vs x as given" };
+            eprintln!("fp8 dispatch, {n} ranks, rank {r}, m {m}, {what}: rel L2 {rel:.2e}, cosine {cos:.8}");
+            let (tol, min_cos) = if remote { (5e-3, 0.99999) } else { (4e-2, 0.999) };
+            assert!(rel <= tol && cos >= min_cos, "rank {r} m {m} ({what}): rel {rel:.3e} cos {cos}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs NVIDIA GPUs"]
 fn ep_step_replays_from_a_cuda_graph() {
@@ -140,24 +212,36 @@ fn ep_step_replays_from_a_cuda_graph() {
         let (dev, c) = comm(r, n, id, 60);
         let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
         let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(256)).unwrap();
-        let step = random_step(&spec, 200, 0.5, seed ^ r as u64);
-        let eager = ep_step(&mut layer, &step);
-        let s = layer.stream().clone();
-        let (dx, di, dw, mut y) = upload(&s, &step);
-        let n = step.0.len();
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-        let res = layer.forward(&dx, &di, &dw, &mut y);
-        let graph = s.end_capture(CUgraphInstantiate_flags(0));
-        res.unwrap();
-        let graph = graph.unwrap().expect("a graph");
-        for _ in 0..3 {
-            s.memcpy_htod(&vec![bf16::NAN; n], &mut y).unwrap();
-            graph.launch().unwrap();
-            layer.synchronize().unwrap();
-            let got: Vec<u16> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect();
-            assert_eq!(got, eager, "rank {r}: a replay differs from the eager step");
-        }
+        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ r as u64));
     });
+    // fp8 dispatch (its unpack kernel in the graph too), on fresh communicators.
+    on_ranks(n, |r, id| {
+        let (dev, c) = comm(r, n, id, 60);
+        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+        let cfg = EpConfig { fp8_dispatch: true, ..EpConfig::new(256) };
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
+        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ (7 + r) as u64));
+    });
+}
+
+/// A step captured into a CUDA graph and replayed three times gives the eager step's bits.
+fn replays_bit_for_bit(layer: &mut EpLayer, r: usize, step: &Step) {
+    let eager = ep_step(layer, step);
+    let s = layer.stream().clone();
+    let (dx, di, dw, mut y) = upload(&s, step);
+    let n = step.0.len();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let res = layer.forward(&dx, &di, &dw, &mut y);
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    res.unwrap();
+    let graph = graph.unwrap().expect("a graph");
+    for _ in 0..3 {
+        s.memcpy_htod(&vec![bf16::NAN; n], &mut y).unwrap();
+        graph.launch().unwrap();
+        layer.synchronize().unwrap();
+        let got: Vec<u16> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, eager, "rank {r}: a replay differs from the eager step");
+    }
 }
 
 /// Each case on fresh communicators: what every rank gets.
@@ -214,6 +298,19 @@ fn bad_input_is_a_typed_error_and_never_a_hang() {
     });
     assert!(matches!(got[1], Some(EpError::TooManyTokens { m: 9, max: 8 })), "{:?}", got[1]);
     assert!(matches!(got[0], Some(EpError::Timeout { .. })), "{:?}", got[0]);
+
+    // fp8 dispatch where the hidden size is not whole 128-column scale blocks: refused on both.
+    let small = MoeSpec::builder(320, 128, 8, 2).build().unwrap();
+    let small_map = ExpertMap::contiguous(8, 2).unwrap();
+    let small_w = random_weights(&small, 3);
+    let got = bad(|r, dev, c| {
+        let cfg = EpConfig { fp8_dispatch: true, ..EpConfig::new(8) };
+        let wl = small_w.select_experts(&small, &small_map.experts_of(r)).unwrap();
+        EpLayer::new(&dev, c, small, small_map.clone(), &wl, cfg).err()
+    });
+    for (r, e) in got.iter().enumerate() {
+        assert!(matches!(e, Some(EpError::Config(w)) if w.contains("128")), "rank {r}: {e:?}");
+    }
 
     // Slabs of 2 rows for 7 tokens drop transfers; an id past the experts is skipped; both are
     // reported, and calls out of order are refused.

@@ -135,7 +135,8 @@ fn warp_specialised_options_compile_for_sm90a() {
 }
 
 /// The expert-parallel exchange module of every reference geometry (bf16 activations, and fp16
-/// on one) compiles for every arch and defines the kernels the host launches.
+/// on one; with fp8 dispatch where the hidden size allows it) compiles for every arch and defines
+/// the kernels the host launches.
 #[test]
 fn expert_parallel_exchange_compiles_for_every_arch() {
     use moe_codegen::{render_ep, ActDtype, MoeSpec};
@@ -145,7 +146,9 @@ fn expert_parallel_exchange_compiles_for_every_arch() {
     specs.push(MoeSpec::builder(2048, 768, 128, 8).act_dtype(ActDtype::Fp16).build().unwrap());
     let items: Vec<_> = specs
         .iter()
-        .flat_map(|s| Arch::ALL.map(|a| (render_ep(s, a).unwrap(), CompileOptions::for_arch(tk, a))))
+        .flat_map(|s| [false, true].map(|fp8| (s, fp8)))
+        .filter(|&(s, fp8)| !fp8 || s.hidden() % 128 == 0)
+        .flat_map(|(s, fp8)| Arch::ALL.map(|a| (render_ep(s, a, fp8).unwrap(), CompileOptions::for_arch(tk, a))))
         .collect();
     let results = DiskCache::open_default().get_or_compile_all(&items, jobs());
     for ((src, _), r) in items.iter().zip(results) {

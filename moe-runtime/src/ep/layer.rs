@@ -11,7 +11,7 @@ use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 use moe_codegen::ep::{ep_entry, EP_PLAN_THREADS, EP_ROW_THREADS};
-use moe_codegen::params::{EpCombineParams, EpCountParams, EpPackParams, EpPlaceParams};
+use moe_codegen::params::{EpCombineParams, EpCountParams, EpPackParams, EpPlaceParams, EpUnpackParams};
 use moe_codegen::{render_ep, ActDtype, MoeSpec};
 use std::sync::Arc;
 
@@ -25,12 +25,19 @@ pub struct EpConfig {
     /// where a token reaches only some ranks; a step that overflows a slab drops those token
     /// transfers and reports them through [`EpLayer::take_errors`].
     pub capacity: Option<usize>,
+    /// Tokens travel to their peers in e4m3, one f32 scale per 128 columns (amax / 448), and are
+    /// turned back into the activation dtype on arrival: half the dispatch's bytes, at the cost
+    /// of quantizing the activations the peers' experts see (a token's own rank reads it
+    /// unquantized). The hidden size must be a multiple of 128. The combine stays in the
+    /// activation dtype.
+    pub fp8_dispatch: bool,
 }
 
 impl EpConfig {
-    /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case.
+    /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case, activations sent
+    /// as they are.
     pub fn new(max_tokens: usize) -> EpConfig {
-        EpConfig { max_tokens, capacity: None }
+        EpConfig { max_tokens, capacity: None, fp8_dispatch: false }
     }
     fn slab_rows(&self) -> usize {
         self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
@@ -58,6 +65,7 @@ struct Kernels {
     count: Kernel<EpCountParams>,
     place: Kernel<EpPlaceParams>,
     pack: Kernel<EpPackParams>,
+    unpack: Kernel<EpUnpackParams>,
     combine: Kernel<EpCombineParams>,
 }
 
@@ -75,6 +83,8 @@ struct Buffers {
     /// from them.
     send: CudaSlice<u8>,
     recv: CudaSlice<u8>,
+    /// fp8 dispatch: the received rows back in the activation dtype (else unused).
+    x_recv: CudaSlice<u8>,
     y_self: CudaSlice<u8>,
     y_recv: CudaSlice<u8>,
     y_back: CudaSlice<u8>,
@@ -167,18 +177,26 @@ impl EpLayer {
         let peers = ranks - 1;
         local.reserve(cfg.max_tokens.max(peers * rows))?;
 
-        let src = render_ep(&spec, device.arch()).map_err(crate::error::RuntimeError::from)?;
-        let mut f =
-            device.functions(&src, &[ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::COMBINE])?.into_iter();
+        if cfg.fp8_dispatch && spec.hidden() % 128 != 0 {
+            return Err(EpError::Config(format!(
+                "fp8 dispatch with hidden = {}: one scale per 128 columns needs a multiple of 128",
+                spec.hidden()
+            )));
+        }
+        let src = render_ep(&spec, device.arch(), cfg.fp8_dispatch).map_err(crate::error::RuntimeError::from)?;
+        let names = [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE];
+        let mut f = device.functions(&src, &names)?.into_iter();
         let kernels = Kernels {
             count: Kernel::new(f.next().unwrap()),
             place: Kernel::new(f.next().unwrap()),
             pack: Kernel::new(f.next().unwrap()),
+            unpack: Kernel::new(f.next().unwrap()),
             combine: Kernel::new(f.next().unwrap()),
         };
 
         let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
-        let send_bytes: usize = (1..ranks).map(|j| slab_bytes(rows, slots[(rank + j) % ranks], row_bytes)).sum();
+        let wire = wire_row_bytes(&spec, cfg.fp8_dispatch);
+        let send_bytes: usize = (1..ranks).map(|j| slab_bytes(rows, slots[(rank + j) % ranks], wire)).sum();
         let n = |v: usize| v.max(1);
         let s = &stream;
         let bufs = Buffers {
@@ -190,7 +208,8 @@ impl EpLayer {
             self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
             self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
             send: s.alloc_zeros(n(send_bytes))?,
-            recv: s.alloc_zeros(n(peers * slab_bytes(rows, slots[rank], row_bytes)))?,
+            recv: s.alloc_zeros(n(peers * slab_bytes(rows, slots[rank], wire)))?,
+            x_recv: s.alloc_zeros(n(if cfg.fp8_dispatch { peers * rows * row_bytes } else { 0 }))?,
             y_self: s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
             y_recv: s.alloc_zeros(n(peers * rows * row_bytes))?,
             y_back: s.alloc_zeros(n(peers * rows * row_bytes))?,
@@ -261,6 +280,10 @@ impl EpLayer {
 
     fn row_bytes(&self) -> usize {
         self.spec.hidden() as usize * self.spec.act_dtype().bytes()
+    }
+    /// Bytes of a token's row in a peer slab (as it travels).
+    fn wire_bytes(&self) -> usize {
+        wire_row_bytes(&self.spec, self.cfg.fp8_dispatch)
     }
 
     fn expect(&self, call: &'static str, stage: Stage, expected: &'static str) -> Result<(), EpError> {
@@ -378,7 +401,7 @@ impl EpLayer {
     /// To each peer (r + j) its slab j, from each peer (r - j) our region j: one transfer each.
     fn dispatch_ops(&self, rows: usize) -> Vec<P2p> {
         let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
-        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
+        let (s, b, rb) = (&self.stream, &self.bufs, self.wire_bytes());
         let mine = slab_bytes(rows, self.slots[rank], rb);
         let mut ops = Vec::with_capacity(2 * ranks);
         let mut off = 0;
@@ -445,6 +468,19 @@ impl EpLayer {
     pub fn dispatch_recv(&mut self) -> Result<(), EpError> {
         self.expect("dispatch_recv", Stage::Sent, "dispatch_send")?;
         self.stream.wait(&self.events.arrived)?;
+        let peers = self.comm.ranks() - 1;
+        if self.cfg.fp8_dispatch && peers > 0 {
+            let (s, b) = (&self.stream, &self.bufs);
+            let p = EpUnpackParams {
+                recv: ptr(&b.recv, s),
+                x_recv: ptr(&b.x_recv, s),
+                rows: self.step.rows as i32,
+                slots: self.slots[self.comm.rank()] as i32,
+            };
+            // SAFETY: recv holds `peers` slabs of the step's rows, x_recv as many act_t rows.
+            let blocks = (self.step.rows * peers) as u32;
+            unsafe { self.kernels.unpack.launch(s, (blocks, EP_ROW_THREADS, 0), false, p)? };
+        }
         if !self.exchange_only {
             // One run per peer's slab (each self-contained: rows, ids, weights).
             for j in 1..self.comm.ranks() {
@@ -460,16 +496,18 @@ impl EpLayer {
 
     /// This rank's experts on the slab that came from rank - j.
     fn run_received<T: ActElem + 'static>(&self, j: usize) -> Result<(), EpError> {
-        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
+        let (s, b, rb, wire) = (&self.stream, &self.bufs, self.row_bytes(), self.wire_bytes());
         let (rows, slots) = (self.step.rows, self.slots[self.comm.rank()]);
         let (h, n) = (self.spec.hidden() as usize, rows * slots);
-        let slab = ptr(&b.recv, s) + ((j - 1) * slab_bytes(rows, slots, rb)) as u64;
-        let ids = slab + (rows * rb) as u64;
+        let slab = ptr(&b.recv, s) + ((j - 1) * slab_bytes(rows, slots, wire)) as u64;
+        let ids = slab + (rows * wire) as u64;
         let weights = ids + meta_bytes(rows, slots) as u64;
+        // fp8 dispatch: the rows moe_ep_unpack turned back into act_t.
+        let x = if self.cfg.fp8_dispatch { ptr(&b.x_recv, s) + ((j - 1) * rows * rb) as u64 } else { slab };
         // SAFETY: the layer's own buffers, sized for (ranks - 1) slabs of the slab rows.
         let (x, ids, w, y) = unsafe {
             (
-                DeviceTensor::<T>::from_raw(slab, rows * h),
+                DeviceTensor::<T>::from_raw(x, rows * h),
                 DeviceTensor::<i32>::from_raw(ids, n),
                 DeviceTensor::<f32>::from_raw(weights, n),
                 DeviceTensorMut::<T>::from_raw(ptr(&b.y_recv, s) + ((j - 1) * rows * rb) as u64, rows * h),
@@ -566,8 +604,19 @@ fn meta_bytes(rows: usize, slots: usize) -> usize {
     (rows * slots * 4).div_ceil(16) * 16
 }
 
+/// Bytes of a token's row in a peer slab (`WIRE_ROW_BYTES` in `templates/ep.cu`): the activation
+/// row, or with fp8 dispatch its e4m3 codes and one f32 scale per 128 columns, padded to 16.
+fn wire_row_bytes(spec: &MoeSpec, fp8: bool) -> usize {
+    let h = spec.hidden() as usize;
+    if fp8 {
+        (h + h / 32).div_ceil(16) * 16
+    } else {
+        h * spec.act_dtype().bytes()
+    }
+}
+
 /// Bytes of a peer slab, as `templates/ep.cu` lays it out: `rows` activation rows of
-/// `row_bytes`, their ids, their weights.
+/// `row_bytes` (as they travel), their ids, their weights.
 fn slab_bytes(rows: usize, slots: usize, row_bytes: usize) -> usize {
     rows * row_bytes + 2 * meta_bytes(rows, slots)
 }
