@@ -130,6 +130,7 @@ __device__ __forceinline__ void warp_counts(unsigned long long mask, int ranks, 
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_ep_count(const __grid_constant__ EpCountParams params) {
     MOE_UNPACK_EpCountParams(params);
+    pdl_launch_dependents();  // moe_ep_place waits for this grid before it reads counts
     __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
     const int t = blockIdx.x * PLAN_THREADS + threadIdx.x;
     const TokenRoute r = load_route(topk_ids, nullptr, owner, t, m, rank, ranks);
@@ -153,6 +154,10 @@ moe_ep_count(const __grid_constant__ EpCountParams params) {
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_ep_place(const __grid_constant__ EpPlaceParams params) {
     MOE_UNPACK_EpPlaceParams(params);
+    // Launched as moe_ep_count's programmatic dependent (several blocks), and moe_ep_pack as
+    // ours: each waits for its predecessor's grid before reading what it wrote.
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ int base[MAX_RANKS];  // this block's first row per slab, then past its last
     __shared__ int warp_n[PLAN_WARPS][MAX_RANKS];
     __shared__ long slab_ids[MAX_RANKS];  // byte offset of each slab's ids in `send`
@@ -242,6 +247,7 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 moe_ep_pack(const __grid_constant__ EpPackParams params) {
     MOE_UNPACK_EpPackParams(params);
+    pdl_wait();  // moe_ep_place's rows
     const int t = blockIdx.x;
     if (t >= m) return;
     const uint4* src = x + (long)t * ROW_VECS;

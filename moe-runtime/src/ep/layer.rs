@@ -373,7 +373,8 @@ impl EpLayer {
             if blocks > 1 {
                 self.kernels.count.launch(s, (blocks, EP_PLAN_THREADS, 0), false, count)?;
             }
-            self.kernels.place.launch(s, (blocks, EP_PLAN_THREADS, 0), false, place)?;
+            // Programmatic dependents: each kernel's launch overlaps its predecessor's drain.
+            self.kernels.place.launch(s, (blocks, EP_PLAN_THREADS, 0), blocks > 1, place)?;
         }
         if ranks > 1 {
             let pack = EpPackParams {
@@ -387,7 +388,7 @@ impl EpLayer {
                 ranks: ranks as i32,
             };
             // SAFETY: as above; `send` holds ranks - 1 slabs of the slab rows.
-            unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), false, pack)? };
+            unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), true, pack)? };
         }
         self.events.packed.record(s)?;
         self.comm_stream.wait(&self.events.packed)?;
