@@ -287,12 +287,17 @@ fn main() {
                     let default_us = if m < DEFAULT_PREFILL_THRESHOLD { decode.unwrap_or(f64::NAN) } else { grouped };
                     let regret = 100.0 * (us / best_us - 1.0);
                     regrets.push(regret);
-                    let grouped_steps = chosen.iter().filter(|&&f| f == KernelFamily::GroupedGemm).count();
-                    let chosen_name = match grouped_steps {
-                        _ if chosen.iter().all(|&f| f == KernelFamily::Fused) => "fused".to_string(),
-                        0 => "warp_decode".to_string(),
-                        n if n == STEPS => "grouped_gemm".to_string(),
-                        n => format!("mixed ({n} of {STEPS} grouped)"),
+                    let steps_on = |f: KernelFamily| chosen.iter().filter(|&&c| c == f).count();
+                    let (dn, gn, fnn) = (
+                        steps_on(KernelFamily::WarpDecode),
+                        steps_on(KernelFamily::GroupedGemm),
+                        steps_on(KernelFamily::Fused),
+                    );
+                    let chosen_name = match (dn, gn, fnn) {
+                        (_, 0, 0) => "warp_decode".to_string(),
+                        (0, _, 0) => "grouped_gemm".to_string(),
+                        (0, 0, _) => "fused".to_string(),
+                        _ => format!("mixed ({dn} decode, {gn} grouped, {fnn} fused of {STEPS})"),
                     };
                     let bytes: f64 = st
                         .iter()

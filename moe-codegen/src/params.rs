@@ -254,6 +254,10 @@ kernel_params! {
         grouped_c0: f32 = "float",
         grouped_cd: f32 = "float",
         grouped_cp: f32 = "float",
+        fused_c0: f32 = "float",
+        fused_cd: f32 = "float",
+        fused_cp: f32 = "float",
+        fused_on: i32 = "int",
         out: u64 = "int* __restrict__",
     }
 }

@@ -1,10 +1,12 @@
 // The dispatcher: which family runs this step, decided on the device from its live routing, so
 // that a step needs no host synchronisation and can be captured in a graph. Each candidate's time
 // is modelled as c0 + cd * D + cp * P, D the distinct experts the step touches and P its valid
-// (token, expert) pairs (the models come from a profile, or the host's analytic fallback). Every
-// candidate family's kernels are launched after this one and all but the chosen one return at
-// once (family_skipped). One block. out: {choice, D, P, 0, f32 bits of the decode and grouped
-// predictions}. The arithmetic is unfused round-to-nearest, as the host evaluates the models.
+// (token, expert) pairs (the models come from a profile, or the host's analytic fallback). The
+// candidates: warp decode, the grouped GEMMs and, where the layer has it (fused_on), the fused
+// family; the least prediction wins, ties to the first of them. Every candidate family's kernels
+// are launched after this one and all but the chosen one return at once (family_skipped). One
+// block. out: {choice, D, P, 0, f32 bits of the decode, grouped and fused predictions}. The
+// arithmetic is unfused round-to-nearest, as the host evaluates the models.
 constexpr int CHOOSE_THREADS = 256;
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_choose)
 extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS)
@@ -36,12 +38,18 @@ moe_choose(const __grid_constant__ ChooseParams params) {
         const float p = (float)totals[0], d = (float)totals[1];
         const float td = __fadd_rn(__fadd_rn(decode_c0, __fmul_rn(decode_cd, d)), __fmul_rn(decode_cp, p));
         const float tg = __fadd_rn(__fadd_rn(grouped_c0, __fmul_rn(grouped_cd, d)), __fmul_rn(grouped_cp, p));
-        out[0] = tg < td ? FAMILY_GROUPED : FAMILY_WARP_DECODE;
+        const float tf = __fadd_rn(__fadd_rn(fused_c0, __fmul_rn(fused_cd, d)), __fmul_rn(fused_cp, p));
+        int family = FAMILY_WARP_DECODE;
+        float best = td;
+        if (tg < best) family = FAMILY_GROUPED, best = tg;
+        if (fused_on && tf < best) family = FAMILY_FUSED, best = tf;
+        out[0] = family;
         out[1] = totals[1];
         out[2] = totals[0];
         out[3] = 0;
         out[4] = __float_as_int(td);
         out[5] = __float_as_int(tg);
+        out[6] = fused_on ? __float_as_int(tf) : 0;
     }
 }
 #endif  // entry moe_choose

@@ -363,18 +363,24 @@ impl MoeLayer {
                 pairs: 0,
                 predicted_decode_us: 0.0,
                 predicted_grouped_us: 0.0,
+                predicted_fused_us: 0.0,
             },
             None => {
                 self.stream.context().synchronize()?;
                 let c = self.stream.clone_dtoh(&self.choice)?;
                 Choice {
-                    family: if c[0] == 1 { KernelFamily::GroupedGemm } else { KernelFamily::WarpDecode },
+                    family: match c[0] {
+                        1 => KernelFamily::GroupedGemm,
+                        2 => KernelFamily::Fused,
+                        _ => KernelFamily::WarpDecode,
+                    },
                     on_device: true,
                     m,
                     distinct: c[1] as u32,
                     pairs: c[2] as u32,
                     predicted_decode_us: f32::from_bits(c[4] as u32),
                     predicted_grouped_us: f32::from_bits(c[5] as u32),
+                    predicted_fused_us: f32::from_bits(c[6] as u32),
                 }
             }
         };
@@ -721,7 +727,7 @@ impl MoeLayer {
     }
 
     /// Run the step on `family`, or (`None`) on the family `moe_choose` picks on the device: it
-    /// launches first, then both families, whose kernels return at once unless chosen.
+    /// launches first, then every candidate family, whose kernels return at once unless chosen.
     fn launch_family(
         &self,
         stream: &Arc<CudaStream>,
@@ -748,6 +754,7 @@ impl MoeLayer {
             None => {
                 tracing::debug!(m, "forward: the device chooses the family");
                 let model = self.dispatch.expect("a step the device dispatches has models");
+                let model = model.device_menu(m, self.kspec.top_k(), self.kspec.experts());
                 let g = self.grouped_path()?;
                 g.reserve(stream, &self.kspec, m, self.deterministic)?;
                 let choice = ptr(&self.choice, &self.stream);
@@ -758,6 +765,11 @@ impl MoeLayer {
                 // within noise (H100, docs/dispatch.md).
                 g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
                 self.decode.forward(stream, &self.kspec, m, &p)?;
+                // The fused family where it is on the menu (`set_dispatch_model` keeps its model
+                // only where the layer has it; `device_menu` only where it can win).
+                if model.fused.is_some() {
+                    self.fused_family()?.forward(stream, &self.kspec, m, &p)?;
+                }
                 Ok(())
             }
         }

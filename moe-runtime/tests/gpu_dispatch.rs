@@ -70,8 +70,8 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
         let model = layer.dispatch_model().expect("the dispatcher is on by default");
         assert_eq!(model.source, ModelSource::Analytic);
         assert!(model.fused.is_some(), "the layer has the fused family, so the model does");
-        // The device chooses between warp decode and the grouped GEMMs: without the fused model,
-        // every step this window leaves to routing goes to the device.
+        // Without the fused model (its own test is below), every step this window leaves to
+        // routing goes to the device, which chooses between warp decode and the grouped GEMMs.
         let model = model.restricted(false);
         layer.set_dispatch_model(Some(model));
         let mut seen = [0usize; 2];
@@ -105,6 +105,59 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
         }
         assert!(seen[0] > 0 && seen[1] > 0, "{}: the window's steps took one family only ({seen:?})", spec.id());
     }
+}
+
+/// The fused family on the device's menu: one captured step whose replays the device sends to
+/// the fused kernel (8 tokens on 8 experts) or to warp decode (spread over 50-odd), each
+/// against the reference.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
+    let dev = gpu();
+    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    layer.set_validate_routing(false);
+    // 8 tokens: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert. On 8 experts the
+    // fused kernel is least (16.8), from 34 experts on warp decode.
+    let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+    let model = DispatchModel {
+        decode: lin(0.0, 0.0, 0.5),
+        grouped: lin(0.0, 3.0, 0.0),
+        fused: Some(lin(12.0, 0.6, 0.0)),
+        one_token: None,
+        overhead_us: 0.0,
+        source: ModelSource::Profile,
+    };
+    layer.set_dispatch_model(Some(model));
+    assert_eq!(layer.dispatch_model().and_then(|m| m.fused), model.fused, "the layer has the fused family");
+    let m = 8;
+    layer.reserve(m).unwrap();
+    assert_eq!(layer.family_for(m), None);
+    let s = layer.stream().clone();
+    let seed = fresh_seed();
+    let (x, uniform, rw) = random_step(&spec, m, 0.0, seed);
+    let few = all_on_few(&spec, m);
+    let (dx, dw) = (s.clone_htod(&bf(&x)).unwrap(), s.clone_htod(&rw).unwrap());
+    let mut dids = s.clone_htod(&uniform).unwrap();
+    let mut y: CudaSlice<Bf> = s.alloc_zeros(x.len()).unwrap();
+    let g = capture(&s, || layer.forward(&dx, &dids, &dw, &mut y)).unwrap();
+    let mut families = Vec::new();
+    for ids in [&few, &uniform, &few] {
+        s.memcpy_htod(ids, &mut dids).unwrap();
+        s.memcpy_htod(&vec![Bf::from_f32(f32::NAN); x.len()], &mut y).unwrap();
+        g.launch().unwrap();
+        let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
+        let c = layer.last_choice().unwrap();
+        let (d, p) = counts(ids, spec.experts());
+        assert_eq!(c.family, model.choose(d, p), "seed {seed}: {c:?}");
+        assert_eq!(c.predicted_fused_us, model.fused.unwrap().predict(d, p), "seed {seed}: {c:?}");
+        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, ids, &rw));
+        println!("replay on {d} experts: {} rel_l2={rel:.3e} cos={cos:.8}", c.family);
+        assert!(rel <= 5e-3 && cos >= 0.99999, "seed {seed} {c:?}: rel_l2 {rel:.3e} cos {cos:.8}");
+        families.push(c.family);
+    }
+    assert_eq!(families, [KernelFamily::Fused, KernelFamily::WarpDecode, KernelFamily::Fused]);
 }
 
 #[test]

@@ -28,6 +28,9 @@ pub struct Choice {
     pub predicted_decode_us: f32,
     /// The model's prediction for the grouped GEMMs, us (0 where the host chose).
     pub predicted_grouped_us: f32,
+    /// The model's prediction for the fused family, us (0 where the host chose or the layer has
+    /// no fused family).
+    pub predicted_fused_us: f32,
 }
 
 /// The family for a step of `m` tokens: the grouped GEMMs from `prefill_threshold` tokens on,

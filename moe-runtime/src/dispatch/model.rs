@@ -47,9 +47,10 @@ pub enum ModelSource {
     Analytic,
 }
 
-/// The dispatcher's models of its candidate families. The device (`moe_choose`) chooses between
-/// warp decode and the grouped GEMMs; the host may also pick the fused family where its model
-/// says no routing of the step's token count makes it much worse than the best.
+/// The dispatcher's models of its candidate families: warp decode, the grouped GEMMs and, where
+/// the layer has it, the fused family. The host picks one where its model says no routing of the
+/// step's token count makes it much worse than the best; otherwise the device (`moe_choose`)
+/// picks the least prediction for the step's live routing.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DispatchModel {
     /// Warp decode.
@@ -140,14 +141,30 @@ impl DispatchModel {
         }
     }
 
-    /// The family the models pick for `distinct` experts and `pairs` pairs: the grouped GEMMs only
-    /// where they are predicted strictly faster (as `moe_choose` decides).
+    /// The family the device picks for `distinct` experts and `pairs` pairs, as `moe_choose`
+    /// decides: the least prediction of every family this model holds ([`DispatchModel::best`];
+    /// a step's device is given [`DispatchModel::device_menu`]).
     pub fn choose(&self, distinct: u32, pairs: u32) -> KernelFamily {
-        if self.grouped.predict(distinct, pairs) < self.decode.predict(distinct, pairs) {
-            KernelFamily::GroupedGemm
-        } else {
-            KernelFamily::WarpDecode
-        }
+        self.best(distinct, pairs)
+    }
+
+    /// The candidates the device weighs for a step of `m` tokens: warp decode, the grouped GEMMs
+    /// and the fused family only where its model makes it the fastest for some number of experts
+    /// the step can touch (`top_k` to `min(m * top_k, experts)`, sampled). Elsewhere its kernel,
+    /// launched to return at once, would only add to the step.
+    pub fn device_menu(&self, m: usize, top_k: u32, experts: u32) -> DispatchModel {
+        let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
+        let (few, most) = (top_k.min(pairs), pairs.min(experts));
+        let in_play = (0..=16u32).any(|i| {
+            let d = few + (most - few) * i / 16;
+            self.best(d, pairs) == KernelFamily::Fused
+        });
+        DispatchModel { fused: self.fused.filter(|_| in_play), ..*self }
+    }
+
+    /// The least prediction over the modelled families.
+    fn floor(&self, distinct: u32, pairs: u32) -> f32 {
+        self.candidates().map(|(_, c)| c.predict(distinct, pairs)).fold(f32::INFINITY, f32::min)
     }
 
     /// The model without the fused family where `fused` is false (a layer without it).
@@ -182,7 +199,7 @@ impl DispatchModel {
     }
 
     /// The family for a step of `m` tokens where the host can settle it, `None` where the device
-    /// should choose (between warp decode and the grouped GEMMs) from the live routing. The host
+    /// should choose (among every modelled family) from the live routing. The host
     /// weighs three routings: every token's experts drawn from the hottest eighth of them (the
     /// skew real traffic reaches; `top_k` experts where an eighth is fewer), uniform, and every
     /// expert distinct (`min(m * top_k, experts)`). It takes the family whose predicted time is
@@ -204,8 +221,7 @@ impl DispatchModel {
             ((pool as f64 * (1.0 - untouched)).round() as u32).clamp(few, most)
         };
         let points = [distinct((experts / 8).max(top_k)), distinct(experts), most];
-        let floor =
-            |d: u32| self.candidates().map(|(_, c)| c.predict(d, pairs)).fold(f32::INFINITY, f32::min).max(1e-3);
+        let floor = |d: u32| self.floor(d, pairs).max(1e-3);
         let regret =
             |t: &dyn Fn(u32) -> f32| points.iter().map(|&d| (t(d) - floor(d)) / floor(d)).fold(0.0f32, f32::max);
         let usual = self.best(points[1], pairs);
@@ -213,8 +229,8 @@ impl DispatchModel {
             .candidates()
             .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
             .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
-        let device_regret =
-            regret(&|d| self.decode.predict(d, pairs).min(self.grouped.predict(d, pairs)) + self.overhead_us);
+        let menu = self.device_menu(m, top_k, experts);
+        let device_regret = regret(&|d| menu.floor(d, pairs) + self.overhead_us);
         (host_regret <= device_regret + DEVICE_MARGIN).then_some(host)
     }
 
@@ -317,6 +333,26 @@ mod tests {
 
     fn qwen(f: WeightFormat) -> MoeSpec {
         MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap()
+    }
+
+    #[test]
+    fn the_fused_family_is_on_the_device_menu_only_where_it_can_win() {
+        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+        // 8 tokens, top-8 of 128: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert, the
+        // least from 8 to 33 experts.
+        let m = DispatchModel {
+            decode: lin(0.0, 0.0, 0.5),
+            grouped: lin(0.0, 3.0, 0.0),
+            fused: Some(lin(12.0, 0.6, 0.0)),
+            one_token: None,
+            overhead_us: 0.0,
+            source: ModelSource::Profile,
+        };
+        assert_eq!(m.device_menu(8, 8, 128).fused, m.fused);
+        // A fused constant above every other prediction: off the menu.
+        let slow = DispatchModel { fused: Some(lin(500.0, 0.0, 0.0)), ..m };
+        assert_eq!(slow.device_menu(8, 8, 128).fused, None);
+        assert_eq!(slow.device_menu(8, 8, 128).decode, slow.decode);
     }
 
     #[test]

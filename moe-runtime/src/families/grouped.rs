@@ -275,6 +275,10 @@ impl GroupedPath {
             grouped_c0: model.grouped.c0,
             grouped_cd: model.grouped.per_expert,
             grouped_cp: model.grouped.per_pair,
+            fused_c0: model.fused.map_or(0.0, |f| f.c0),
+            fused_cd: model.fused.map_or(0.0, |f| f.per_expert),
+            fused_cp: model.fused.map_or(0.0, |f| f.per_pair),
+            fused_on: model.fused.is_some() as i32,
             out,
         };
         // SAFETY: `ids` holds the step's m * k routing ids (checked by the layer), `out` 8 i32.
