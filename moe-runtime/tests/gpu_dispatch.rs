@@ -107,28 +107,19 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
     }
 }
 
-/// The fused family on the device's menu: one captured step whose replays the device sends to
-/// the fused kernel (8 tokens on 8 experts) or to warp decode (spread over 50-odd), each
-/// against the reference.
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
+/// Qwen3-30B-A3B bf16 dispatched by `model`, one 8-token step captured once and replayed on
+/// uniform routing and on every token on the same 8 experts (`few`), in `order`; each replay
+/// against the reference and the host's prediction of the device's choice. Returns the layer, its
+/// weights, the step's x and routing weights, the `few` ids and the family of each replay.
+fn replays(
+    model: DispatchModel,
+    order: &[bool],
+) -> (MoeLayer, HostWeights, Vec<f32>, Vec<f32>, Vec<i32>, Vec<KernelFamily>) {
     let dev = gpu();
     let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
     let w = random_weights(&spec, fresh_seed());
     let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
     layer.set_validate_routing(false);
-    // 8 tokens: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert. On 8 experts the
-    // fused kernel is least (16.8), from 34 experts on warp decode.
-    let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
-    let model = DispatchModel {
-        decode: lin(0.0, 0.0, 0.5),
-        grouped: lin(0.0, 3.0, 0.0),
-        fused: Some(lin(12.0, 0.6, 0.0)),
-        one_token: None,
-        overhead_us: 0.0,
-        source: ModelSource::Profile,
-    };
     layer.set_dispatch_model(Some(model));
     assert_eq!(layer.dispatch_model().and_then(|m| m.fused), model.fused, "the layer has the fused family");
     let m = 8;
@@ -143,7 +134,8 @@ fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
     let mut y: CudaSlice<Bf> = s.alloc_zeros(x.len()).unwrap();
     let g = capture(&s, || layer.forward(&dx, &dids, &dw, &mut y)).unwrap();
     let mut families = Vec::new();
-    for ids in [&few, &uniform, &few] {
+    for &on_few in order {
+        let ids = if on_few { &few } else { &uniform };
         s.memcpy_htod(ids, &mut dids).unwrap();
         s.memcpy_htod(&vec![Bf::from_f32(f32::NAN); x.len()], &mut y).unwrap();
         g.launch().unwrap();
@@ -151,26 +143,43 @@ fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
         let c = layer.last_choice().unwrap();
         let (d, p) = counts(ids, spec.experts());
         assert_eq!(c.family, model.choose(d, p), "seed {seed}: {c:?}");
-        assert_eq!(c.predicted_fused_us, model.fused.unwrap().predict(d, p), "seed {seed}: {c:?}");
+        assert_eq!(c.predicted_fused_us, model.fused.map_or(0.0, |f| f.predict(d, p)), "seed {seed}: {c:?}");
         let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, ids, &rw));
         println!("replay on {d} experts: {} rel_l2={rel:.3e} cos={cos:.8}", c.family);
         assert!(rel <= 5e-3 && cos >= 0.99999, "seed {seed} {c:?}: rel_l2 {rel:.3e} cos {cos:.8}");
         families.push(c.family);
     }
+    (layer, w, x, rw, few, families)
+}
+
+fn lin(c0: f32, per_expert: f32, per_pair: f32) -> LinearCost {
+    LinearCost { c0, per_expert, per_pair }
+}
+
+/// The fused family on the device's menu: the device sends 8 tokens on 8 experts to the fused
+/// kernel and 8 spread over 50-odd to warp decode, replay by replay of one graph.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
+    // 8 tokens: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert. On 8 experts the
+    // fused kernel is least (16.8), from 34 experts on warp decode.
+    let model = DispatchModel {
+        decode: lin(0.0, 0.0, 0.5),
+        grouped: lin(0.0, 3.0, 0.0),
+        fused: Some(lin(12.0, 0.6, 0.0)),
+        one_token: None,
+        overhead_us: 0.0,
+        source: ModelSource::Profile,
+    };
+    let (.., families) = replays(model, &[true, false, true]);
     assert_eq!(families, [KernelFamily::Fused, KernelFamily::WarpDecode, KernelFamily::Fused]);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn one_graph_follows_the_routing_of_each_replay() {
-    let dev = gpu();
-    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
-    let w = random_weights(&spec, fresh_seed());
-    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
-    layer.set_validate_routing(false);
     // Decode costs a pair, grouped two an expert: 8 tokens on 8 experts go grouped, spread over
     // 50-odd experts they go to warp decode.
-    let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
     let model = DispatchModel {
         decode: lin(0.0, 0.0, 1.0),
         grouped: lin(0.0, 2.0, 0.0),
@@ -179,36 +188,12 @@ fn one_graph_follows_the_routing_of_each_replay() {
         overhead_us: 0.0,
         source: ModelSource::Profile,
     };
-    layer.set_dispatch_model(Some(model));
-    let m = 8;
-    layer.reserve(m).unwrap();
-    assert_eq!(layer.family_for(m), None);
-    let s = layer.stream().clone();
-    let seed = fresh_seed();
-    let (x, uniform, rw) = random_step(&spec, m, 0.0, seed);
-    let few = all_on_few(&spec, m);
-    let (dx, dw) = (s.clone_htod(&bf(&x)).unwrap(), s.clone_htod(&rw).unwrap());
-    let mut dids = s.clone_htod(&uniform).unwrap();
-    let mut y: CudaSlice<Bf> = s.alloc_zeros(x.len()).unwrap();
-    let g = capture(&s, || layer.forward(&dx, &dids, &dw, &mut y)).unwrap();
-    let mut families = Vec::new();
-    for ids in [&uniform, &few, &uniform, &few] {
-        s.memcpy_htod(ids, &mut dids).unwrap();
-        s.memcpy_htod(&vec![Bf::from_f32(f32::NAN); x.len()], &mut y).unwrap();
-        g.launch().unwrap();
-        let got: Vec<f32> = s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect();
-        let c = layer.last_choice().unwrap();
-        let (d, p) = counts(ids, spec.experts());
-        assert_eq!(c.family, model.choose(d, p), "seed {seed}: {c:?}");
-        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, ids, &rw));
-        println!("replay on {d} experts: {} rel_l2={rel:.3e} cos={cos:.8}", c.family);
-        assert!(rel <= 5e-3 && cos >= 0.99999, "seed {seed} {c:?}: rel_l2 {rel:.3e} cos {cos:.8}");
-        families.push(c.family);
-    }
+    let (mut layer, w, x, rw, few, families) = replays(model, &[false, true, false, true]);
     assert_eq!(
         families,
         [KernelFamily::WarpDecode, KernelFamily::GroupedGemm, KernelFamily::WarpDecode, KernelFamily::GroupedGemm]
     );
+    let (spec, m) = (*layer.spec(), 8);
     // Ids out of range are skipped by both families and not counted as pairs.
     let mut bad = few.clone();
     bad[0] = 128;
