@@ -26,7 +26,7 @@ use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{Device, MoeLayer};
 use moeforge::codegen::numerics::e4m3_from_f32;
-use moeforge::codegen::{KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use moeforge::codegen::{GemmTiles, KernelFamily, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
@@ -335,27 +335,19 @@ fn main() {
             layer.set_prefill_threshold(1);
             layer.set_deterministic(deterministic);
             let defaults = layer.grouped_tiles().expect("grouped family");
-            let mut tilings: Vec<_> = tile_sets.iter().filter_map(|t| defaults.parse(t)).collect();
+            // None: the layer's own tiles (which may change with M: large_step_tiles).
+            let mut tilings: Vec<Option<GemmTiles>> =
+                tile_sets.iter().filter_map(|t| defaults.parse(t)).map(Some).collect();
             if tilings.is_empty() {
-                tilings.push(defaults);
+                tilings.push(None);
             }
             for tiles in tilings {
-                if let Err(err) = layer.set_grouped_tiles(&dev, tiles) {
-                    println!("{geo} {format} tiles {tiles:?}: {err}");
-                    continue;
+                if let Some(tiles) = tiles {
+                    if let Err(err) = layer.set_grouped_tiles(&dev, tiles) {
+                        println!("{geo} {format} tiles {tiles:?}: {err}");
+                        continue;
+                    }
                 }
-                let mut cluster = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
-                if tiles.lag > 0 {
-                    cluster += &format!("l{}", tiles.lag);
-                }
-                let ext = tiles.extended_rows(&spec);
-                if ext > 0 {
-                    cluster += &format!("t{ext}");
-                }
-                let tname = format!(
-                    "{}x{}x{}s{}b{}{cluster}",
-                    tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm
-                );
                 for (&m, &family) in ms.iter().flat_map(|m| families.iter().map(move |f| (m, f))) {
                     layer.set_prefill_threshold(if family == KernelFamily::GroupedGemm { 1 } else { usize::MAX });
                     for routing in &routings {
@@ -373,6 +365,7 @@ fn main() {
                         let mut y: CudaSlice<Bf> = s.alloc_zeros(m * h as usize).unwrap();
                         layer.reserve(m).unwrap();
                         assert_eq!(layer.family_for(m), Some(family));
+                        let tname = tile_name(&tiles.or(layer.grouped_tiles_for(m)).expect("grouped family"), &spec);
                         let g = capture(&s, || layer.forward_logits(&dx, &dl, &mut y)).unwrap();
                         let reps = if m >= 4096 { 20 } else { 50 };
                         let us = time_graph(&s, &g, reps).unwrap();
@@ -429,4 +422,22 @@ fn main() {
             }
         }
     }
+}
+
+/// A row's tiles as the report names them: `bm x bn1 x bn2 s<stages> b<blocks>`, then `c<cluster>`,
+/// `l<lag>`, `t<extended rows>` where they are not the plain pipeline's, and `ws` for the
+/// warp-specialised pipeline on weights its producer decodes.
+fn tile_name(tiles: &GemmTiles, spec: &MoeSpec) -> String {
+    let mut extra = if tiles.cluster > 1 { format!("c{}", tiles.cluster) } else { String::new() };
+    if tiles.lag > 0 {
+        extra += &format!("l{}", tiles.lag);
+    }
+    let ext = tiles.extended_rows(spec);
+    if ext > 0 {
+        extra += &format!("t{ext}");
+    }
+    if tiles.pack_ring(spec) > 0 {
+        extra += "ws";
+    }
+    format!("{}x{}x{}s{}b{}{extra}", tiles.bm, tiles.bn1, tiles.bn2, tiles.stages, tiles.blocks_per_sm)
 }

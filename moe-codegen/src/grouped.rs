@@ -153,13 +153,15 @@ impl GemmTiles {
             [a, b, c, d, w @ (0 | 1), cl, l, t] => (a, b, c, d, w == 1, cl, l, t),
             _ => return None,
         };
-        Some(GemmTiles { bm, bn1, bn2, stages, blocks_per_sm, warp_specialized: ws, cluster, lag, tail, ..self })
+        // The warp-specialised pipeline runs on wgmma.
+        let mma = if ws { Mma::Wgmma } else { self.mma };
+        Some(GemmTiles { bm, bn1, bn2, stages, blocks_per_sm, mma, warp_specialized: ws, cluster, lag, tail })
     }
 
     /// The rows GEMM1's extended items add (`tail` where the pipeline allows it, else 0).
     pub fn extended_rows(&self, spec: &MoeSpec) -> u32 {
         let unscaled = !quantizes_activations(spec) || x_per_token(spec);
-        let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled;
+        let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled && !decodes_weights(spec);
         if fits {
             self.tail
         } else {
@@ -170,6 +172,7 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM1 (with its extended rows).
     pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
+            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(self.bn1, bits, self.pack_ring(spec)),
             Some(bits) => self.wq_smem_bytes(self.bn1, bits),
             None => self.smem_bytes(self.bn1, self.extended_rows(spec)),
         }
@@ -178,9 +181,37 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM2.
     pub fn gemm2_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
+            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec)),
             Some(bits) => self.wq_smem_bytes(self.bn2, bits),
             None => self.smem_bytes(self.bn2, 0),
         }
+    }
+
+    /// Weights decoded on the warp-specialised pipeline (`gemm_wsq.cuh`): the slots of packed
+    /// k-tiles the producer keeps in flight, as many as both GEMMs' shared memory leaves room for
+    /// (2 to 4); 0 for other weights or pipelines.
+    pub fn pack_ring(&self, spec: &MoeSpec) -> u32 {
+        let spec = &spec.kernel_spec();
+        match wq_bits(spec) {
+            Some(bits) if self.warp_specialized => {
+                let (block, _) = smem_limits(Arch::Sm90a);
+                let fits = |r| {
+                    self.ws_decode_smem_bytes(self.bn1, bits, r).max(self.ws_decode_smem_bytes(self.bn2, bits, r))
+                        <= block
+                };
+                (2..=4).rev().find(|&r| fits(r)).unwrap_or(2)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Dynamic shared memory of a warp-specialised GEMM whose producer decodes `bits`-bit weights
+    /// (`ws_smem_bytes` with `WS_DECODE` in `gemm_ws.cuh`): the stages and the warp-specialised
+    /// bookkeeping of [`Self::smem_bytes`], then from the next 128-byte boundary the ring's
+    /// mbarriers (128 bytes) and `ring` slots of `bn` rows x 64 codes.
+    fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32) -> u32 {
+        let ws = ((32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048).next_multiple_of(128);
+        self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws + 128 + ring * bn * 8 * bits
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
@@ -297,6 +328,10 @@ struct GroupedGemmCu {
     tail: u32,
     mid_fp8: bool,
     x_per_row: bool,
+    /// Weights decoded by the warp-specialised producer: its ring's slots
+    /// ([`GemmTiles::pack_ring`]) and the codes' width, else 0 and 0.
+    pack_ring: u32,
+    pack_bits: u32,
     /// Weights decoded in registers: the codes per 32-bit word (8 or 4) within which x and the
     /// intermediate are stored paired (`x_pair_col`), else 0.
     x_pair_group: u32,
@@ -360,7 +395,7 @@ impl GemmTiles {
         let wq = decodes_weights(spec);
         // The mixed-input GEMMs (gemm_wq.cuh) take 64-, 32- and 16-row token tiles too (whole
         // token fragments of 8 per warp), and up to 4 blocks per SM.
-        let bm_ok = tiles.bm == 128 || (wq && matches!(tiles.bm, 16 | 32 | 64));
+        let bm_ok = tiles.bm == 128 || (wq && !tiles.warp_specialized && matches!(tiles.bm, 16 | 32 | 64));
         let least = if wq { 2 } else { 2 + inflight };
         let most = 16;
         let most_blocks = if wq { 4 } else { 2 };
@@ -388,8 +423,13 @@ impl GemmTiles {
             )));
         }
         let f = spec.weight_format();
-        if wq && (tiles.mma != Mma::MmaSync || tiles.warp_specialized) {
-            return Err(unsupported(format!("{f} weights on tiles {tiles:?} (they take the mma.sync pipeline)")));
+        // Decoded weights take the mma.sync pipeline, or the warp-specialised one whose producer
+        // decodes them (gemm_wsq.cuh): one block per cluster, and GEMM1 tiles of whole 16-byte
+        // chunks of paired intermediate per consumer warp (bn1 >= 128).
+        if wq && tiles.mma == Mma::Wgmma && (!tiles.warp_specialized || tiles.cluster != 1 || tiles.bn1 < 128) {
+            return Err(unsupported(format!(
+                "{f} weights on tiles {tiles:?} (they take the mma.sync pipeline, or the warp-specialised one without clusters and with bn1 >= 128)"
+            )));
         }
         if wq {
             crate::render::resolve_dequant(spec, arch)?;
@@ -541,6 +581,8 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         tail: ext,
         mid_fp8: tiles.quantizes_mid(spec),
         x_per_row: x_per_token(spec),
+        pack_ring: tiles.pack_ring(spec),
+        pack_bits: if tiles.warp_specialized { wq_bits(spec).unwrap_or(0) } else { 0 },
         x_pair_group: wq_bits(spec).map_or(0, |b| 32 / b),
         elem_bytes,
         wscale,
@@ -777,11 +819,21 @@ mod tests {
 
     #[test]
     fn refuses_what_it_cannot_do() {
-        // Decoded weights take the mma.sync pipeline: not the warp-specialised wgmma one, nor the
-        // lut variant (its table would take the stages' shared memory).
+        // Decoded weights take the mma.sync pipeline, or the warp-specialised one whose producer
+        // decodes them: without clusters, bn1 >= 128, 128-row tiles; not the block-barrier wgmma
+        // one, nor the lut variant (its table would take the stages' shared memory).
         let s = spec(2048, 768, 128, 8, WeightFormat::Int4);
         let ws = GemmTiles::for_spec(&spec(2048, 768, 128, 8, WeightFormat::Bf16), Arch::Sm90a);
-        assert!(matches!(render_grouped(&s, Arch::Sm90a, ws), Err(CodegenError::Unsupported { .. })));
+        let refused =
+            |t: GemmTiles| matches!(render_grouped(&s, Arch::Sm90a, t), Err(CodegenError::Unsupported { .. }));
+        assert!(refused(GemmTiles { cluster: 2, ..ws }));
+        assert!(refused(GemmTiles { cluster: 1, bn1: 64, ..ws }));
+        assert!(refused(GemmTiles { cluster: 1, bm: 64, ..ws }));
+        assert!(refused(GemmTiles { cluster: 1, warp_specialized: false, lag: 0, tail: 0, ..ws }));
+        let decoded = GemmTiles { cluster: 1, stages: 3, ..ws };
+        let k = render_grouped(&s, Arch::Sm90a, decoded).unwrap();
+        assert!(k.source.contains("constexpr int PACK_RING = 4;") && k.source.contains("constexpr int PACK_BITS = 4;"));
+        assert_eq!(decoded.extended_rows(&s), 0, "no extended items where the producer decodes");
         assert!(render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).is_ok());
         let lut = MoeSpec::builder(2048, 768, 128, 8)
             .weight_format(WeightFormat::Int4)

@@ -228,6 +228,47 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
     }
 }
 
+/// The grouped family's tiles for large steps, where they are not [`gemm_tiles`]'s: weights the
+/// grouped family decodes, on sm_90a, take the warp-specialised wgmma pipeline whose producer
+/// warpgroup decodes them into the stages (`gemm_wsq.cuh`) from [`large_step_tokens`] on: 128
+/// rows per tile, 128 neurons (256 columns of w13) and 256 hidden outputs where they divide, three
+/// stages (the most that leave room for the ring of packed k-tiles at 256 columns).
+///
+/// Why: there every expert fills most of a 128-row tile, and each weight decoded once per tile
+/// feeds wgmma rather than the decoding warps' own `mma.sync`. Qwen3-30B-A3B at M = 1024, 2048
+/// and 4096 (H100, one run, us, these tiles against the mma.sync ones): mxfp4 467 / 685 / 1191
+/// against 498 / 855 / 1491, int8 406 / 613 / 1017 against 615 / 988 / 1688 (docs/prefill-notes.md).
+pub fn large_step_tiles(spec: &MoeSpec, arch: Arch) -> Option<GemmTiles> {
+    if arch != Arch::Sm90a || !crate::grouped::decodes_weights(spec) {
+        return None;
+    }
+    let (h, i) = (spec.hidden(), spec.intermediate());
+    let t = GemmTiles {
+        bm: 128,
+        bn1: 2 * widest(i, &[128, 64]),
+        bn2: widest(h, &[256, 128, 64]),
+        stages: 3,
+        blocks_per_sm: 1,
+        mma: Mma::Wgmma,
+        warp_specialized: true,
+        cluster: 1,
+        lag: 0,
+        tail: 0,
+    };
+    (t.check(spec, arch).is_ok() && t.fits(spec, arch)).then_some(t)
+}
+
+/// The step size from which [`large_step_tiles`] run: 64 (token, slot) pairs per expert on
+/// average, half a 128-row tile (Qwen3-30B-A3B: 1024 tokens).
+///
+/// Why: with fewer, most of each tile is padding, and the 64-token mma.sync tiles are faster
+/// (mxfp4, Qwen3-30B-A3B at M = 256 on an H100: 508 us with these tiles in their first build,
+/// 217 us for the mma.sync ones in the last prefill report); at 1024 the large tiles led for
+/// every format measured.
+pub fn large_step_tokens(spec: &MoeSpec) -> usize {
+    (64 * spec.experts() as usize).div_ceil(spec.top_k() as usize)
+}
+
 /// The mixed-input GEMMs' tiles (weights decoded in registers, `gemm_wq.cuh`): 64 tokens per
 /// tile, 128 weight rows (64 neurons' gate and up rows; 128 hidden outputs, or 64 where the
 /// hidden size does not divide), and as many stages as leave two blocks per SM (one on sm_120a,
@@ -296,5 +337,40 @@ pub fn gemm_tail(spec: &MoeSpec) -> u32 {
         0
     } else {
         16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::WeightFormat;
+    use crate::spec::REFERENCE_GEOMETRIES;
+
+    /// Every decoded format on every reference geometry has large-step tiles on sm_90a that the
+    /// family accepts, fit and render; formats the tensor cores take as stored, and the other
+    /// archs, have none.
+    #[test]
+    fn large_step_tiles_exist_where_the_producer_decodes() {
+        for (geo, h, i, e, k) in REFERENCE_GEOMETRIES {
+            for f in WeightFormat::ALL {
+                let Ok(s) = MoeSpec::builder(h, i, e, k).weight_format(f).build() else { continue };
+                if crate::grouped_support(&s).is_err() {
+                    continue;
+                }
+                let t = large_step_tiles(&s, Arch::Sm90a);
+                assert_eq!(t.is_some(), crate::grouped::decodes_weights(&s), "{geo} {f}");
+                if let Some(t) = t {
+                    assert!(t.warp_specialized && t.mma == Mma::Wgmma && t.bm == 128, "{geo} {f}: {t:?}");
+                    assert!(t.pack_ring(&s) >= 2 && t.fits(&s, Arch::Sm90a), "{geo} {f}: {t:?}");
+                    crate::render_grouped(&s, Arch::Sm90a, t).unwrap();
+                }
+                assert!(large_step_tiles(&s, Arch::Sm100a).is_none() && large_step_tiles(&s, Arch::Sm120a).is_none());
+            }
+        }
+        let qwen3 = |f| MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap();
+        assert_eq!(large_step_tokens(&qwen3(WeightFormat::Mxfp4)), 1024);
+        // The ring: four 8 KiB slots of 4-bit k-tiles at 256 columns, three of 16 KiB for 8-bit.
+        let ring = |f| large_step_tiles(&qwen3(f), Arch::Sm90a).unwrap().pack_ring(&qwen3(f));
+        assert_eq!((ring(WeightFormat::Mxfp4), ring(WeightFormat::Int8)), (4, 3));
     }
 }

@@ -20,11 +20,20 @@
 // and the EXT rows the N side, so they cost EXT / BN of the tile's MMAs rather than a tile.
 // Stages use the layout of gemm_tile.cuh: 128 bytes of K per row, 128-byte swizzle (what TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes, on 1024-byte aligned stages).
-// Registers per thread after setmaxnreg (128 x 56 + 256 x 224 <= 64 K). 40 / 232 measured slower
+// Registers per thread after setmaxnreg (128 x 56 + 256 x 224 = 168 x 384). 40 / 232 measured slower
 // for bf16 (H100, Qwen3-30B-A3B at M = 4096: 681-691 against 672-680 us uniform) and gave
 // per-channel fp8 nothing, with or without extended items (docs/prefill-notes.md).
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+// A producer that decodes the weights (WS_DECODE, gemm_wsq.cuh) takes 88 from the consumers'
+// (fewer made the decode spill, and the consumers spill below 208).
+constexpr int PRODUCER_REGS = WS_DECODE ? 88 : 56, CONSUMER_REGS = WS_DECODE ? 208 : 224;
 static_assert(BM == 128 && GEMM_THREADS == 384, "a producer and two 64-row consumer warpgroups");
+// setmaxnreg moves registers within what the block was launched with (168 a thread, the launch
+// bounds' share): more would leave the consumers' setmaxnreg.inc waiting forever.
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * GEMM_THREADS, "the block's registers");
+static_assert(!WS_DECODE || CLUSTER == 1, "decoded weights: no clusters (each block decodes its own)");
+// Arrivals that fill a stage: each producer thread's cp.async of A, and thread 0's arming of the
+// weights' TMA bytes or (WS_DECODE) each producer thread once its decoded weights are stored.
+constexpr int WS_FULL_ARRIVALS = WS_DECODE ? 256 : 129;
 
 template <int BN, bool PROMOTE = FP8, int EXT = 0>
 struct WsShape {
@@ -143,9 +152,18 @@ __device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
 }
 // The dynamic shared memory ws_gemm<BN, .., EXT> takes: 1 KiB of alignment slack, the stages,
 // then from bars up to the end of the extended rows (checked against the host's in grouped_gemm.cu).
+// WS_DECODE: past the staging (128-aligned), the packed weights' ring: PACK_RING mbarriers in
+// the first 128 bytes, then PACK_RING slots of a k-tile's packed rows (BN x 8 PACK_BITS bytes).
+template <int BN>
+__host__ __device__ constexpr unsigned ws_ring_off() { return (ws_ext_off<BN>() + 127) & ~127u; }
+template <int BN>
+__host__ __device__ constexpr int ws_pack_bytes() { return BN * 8 * PACK_BITS; }
 template <int BN, int EXT>
 __host__ __device__ constexpr int ws_smem_bytes() {
-    return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
+    if constexpr (WS_DECODE)
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ring_off<BN>() + 128 + PACK_RING * ws_pack_bytes<BN>();
+    else
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
 }
 // An extended item's rows BM .. BM + EXT of stage (sa, sb) against consumer warpgroup wg's 64
 // of each half of the BN = 256 weight rows (the gate neurons 64 wg .. and their up rows), as
@@ -182,10 +200,12 @@ __device__ __forceinline__ uint4 lds128(unsigned addr) {
 // their 16-byte chunks swizzled by the row), then each lane stores 4 rows' chunks. dst(r): where
 // row r's first column goes, null to skip it (called once per row by every lane). Four times
 // fewer stores than the 4-byte pairs of the fragments, which held the store queue.
-template <int NQ, class Val, class Dst>
+// PAIRED: each 16-byte chunk stored in x_pair_col order (the intermediate of decoded weights).
+template <int NQ, bool PAIRED = false, class Val, class Dst>
 __device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) {
     static_assert(sizeof(act_t) == 2, "16-bit values");
     const int lane = threadIdx.x % 32;
+    static_assert(!PAIRED || NQ % 8 == 0, "paired rows go out in whole chunks");
     if constexpr (NQ % 8 != 0) {  // narrower than a chunk: the fragments' pairs as they are
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -222,7 +242,7 @@ __device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) 
         for (int k = 0; k < 4; ++k) {
             const int row = lane / 8 + 4 * k, c = lane % 8;
             const uint4 v = lds128(buf + row * 128 + ((c ^ (row & 7)) << 4));
-            if (rows[k]) *reinterpret_cast<uint4*>(rows[k] + 64 * ch + 8 * c) = v;
+            if (rows[k]) *reinterpret_cast<uint4*>(rows[k] + 64 * ch + 8 * c) = PAIRED ? x_pair_chunk(v) : v;
         }
         __syncwarp();
     }
@@ -289,11 +309,129 @@ struct NoExt {
     template <class It>
     __device__ void operator()(const It&, unsigned) const {}
 };
+// b_scales / b_decode of a GEMM whose weights the TMA loads as they are.
+struct NoDecode {
+    template <class It>
+    __device__ int operator()(const It&, int) const { return 0; }
+    __device__ void operator()(int, unsigned, unsigned) const {}
+};
+
+// The producer warpgroup of a GEMM whose weights it decodes (WS_DECODE): thread 0 TMAs each
+// k-tile's packed weight rows as stored (b_load, boxes of 8 PACK_BITS bytes per row) into a ring
+// of PACK_RING slots, AHEAD k-tiles ahead of the one decoded; every producer thread gathers its A
+// rows into the stage (cp.async, as ws_gemm's producer does, first, so that they land under the
+// decode) and decodes its vectors of the slot into the stage's B rows (b_decode, in the 128-byte
+// swizzle wgmma reads) with the scales b_scales loaded a k-tile earlier. Each producer warp
+// releases a slot once decoded (its `pfree` mbarrier), which thread 0 waits for before refilling
+// it. The k-tiles form one stream across the block's work items: the next item is taken when the
+// loads reach it (AHEAD k-tiles before the decode does; named barrier 1 hands it to every
+// producer thread), so its first weights are in flight under the current item's last k-tiles.
+// Ring header (128 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (4 warps).
+template <int BN, int KT, bool KEEP_A, bool EARLY_B, class SI, class Item, class ARow, class BLoad, class BScales,
+          class BDecode>
+__device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars, SI* stage_item, volatile int* next_item,
+                                                   int work, int* work_counter, Item item, ARow a_row, const char* a_any,
+                                                   BLoad b_load, BScales b_scales, BDecode b_decode) {
+    using S = WsShape<BN, false, 0>;
+    constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
+    static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 128, "a slot decoded while the next loads; the ring's header");
+    const int t = threadIdx.x, c = t % 8;
+    const unsigned ring = bars + ws_ring_off<BN>();
+    auto pfull = [&](int pos) { return ring + 8 * (pos % PACK_RING); };
+    auto pfree = [&](int pos) { return ring + 8 * (PACK_RING + pos % PACK_RING); };
+    auto pslot = [&](int pos) { return ring + 128 + (pos % PACK_RING) * ws_pack_bytes<BN>(); };
+    auto full = [&](int st) { return bars + 8 * st; };
+    auto empty = [&](int st) { return bars + 8 * (STAGES + st); };
+    using It = decltype(item(0, 0));
+    // Stream position pos (its k-tile of item it) into its ring slot, once every warp has
+    // decoded the slot's previous k-tile: thread 0.
+    auto issue = [&](const It& it, int kt, int pos) {
+        if (pos >= PACK_RING) mbar_wait(pfree(pos), ((pos / PACK_RING) & 1) ^ 1);
+        mbar_arrive_expect_tx(pfull(pos), ws_pack_bytes<BN>());
+        b_load(it, kt, pslot(pos), pfull(pos), 0);
+    };
+    // The next work item, by every producer thread: thread 0 takes it before barrier 1, the others
+    // read it after (slot: alternately 0 and 1, so that thread 0's next write to a slot follows a
+    // barrier after every lane's read of it).
+    int slot = 0;
+    auto take = [&]() {
+        if (t == 0) next_item[slot] = atomicAdd(work_counter, 1);
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+        int w = 0;
+        if (t % 32 == 0) w = next_item[slot];
+        slot ^= 1;
+        return __shfl_sync(0xffffffffu, w, 0);
+    };
+    int w = take();
+    It it = item(w < work ? w : 0, 0), nit = it;
+    bool have_next = w < work;
+    if (t == 0 && have_next)
+        for (int kt = 0; kt < AHEAD; ++kt) issue(it, kt, kt);
+    if (EARLY_B) pdl_wait();
+    int s = 0;                  // stream position: k-tiles decoded so far (stage s % STAGES)
+    auto sc = b_scales(it, 0);  // this position's scales
+    while (have_next) {
+        it = nit;
+        // A's rows as 16-byte units past a_any (~0: padding), half the registers of pointers:
+        // this warpgroup's registers go to the decode.
+        unsigned rows[S::A_ROWS];
+#pragma unroll
+        for (int j = 0; j < S::A_ROWS; ++j) {
+            const char* p = a_row(it, t / 8 + 16 * j);
+            rows[j] = p ? (unsigned)((p - a_any) / 16) : ~0u;
+        }
+        have_next = false;
+#pragma unroll 1
+        for (int kt = 0; kt < KT; ++kt, ++s) {
+            if (kt + AHEAD == KT) {  // the loads enter the next item
+                const int wn = take();
+                have_next = wn < work;
+                if (have_next) nit = item(wn, 0);
+            }
+            if (t == 0) {
+                if (kt + AHEAD < KT) issue(it, kt + AHEAD, s + AHEAD);
+                else if (have_next) issue(nit, kt + AHEAD - KT, s + AHEAD);
+            }
+            // The next position's scales, under this one's waits and decode.
+            const auto sc_next = kt + 1 < KT ? b_scales(it, kt + 1) : have_next ? b_scales(nit, 0) : sc;
+            const int st = s % STAGES;
+            const unsigned sa = base + st * S::STAGE_BYTES;
+            mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
+#pragma unroll
+            for (int j = 0; j < S::A_ROWS; ++j) {
+                // Without the L2 hint: with it, ptxas 13.0 built some formats' gathers with a
+                // corrupt address (reads at 0x3000000000 under memcheck, H100; int8 g64).
+                const bool live = rows[j] != ~0u;
+                cp_async16(sa + swz(t / 8 + 16 * j, c), a_any + (live ? (size_t)rows[j] * 16 + kt * BK_BYTES : 0) + c * 16,
+                           live);
+            }
+            cp_async_arrive_noinc(full(st));
+            mbar_wait(pfull(s), (s / PACK_RING) & 1);
+            b_decode(sc, pslot(s), sa + S::A_BYTES);
+            __syncwarp();
+            if (t % 32 == 0) mbar_arrive(pfree(s));
+            fence_async_smem();  // the stores reach wgmma's async proxy
+            if (t == 0 && kt == 0) stage_item[st] = SI{(rows[0] != ~0u) | (rows[4] != ~0u) << 1, it};
+            mbar_arrive(full(st));
+            sc = sc_next;
+        }
+    }
+    // No more work: a stage with no data and live = -1 tells the consumers.
+    const int st = s % STAGES;
+    mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
+    if (t == 0) stage_item[st].live = -1;
+    mbar_arrive(full(st));
+    mbar_arrive(full(st));
+    cp_async_wait<0>();
+}
+
 template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, int EXT, class Item, class ARow, class BLoad,
-          class KScale, class Promote, class Prepare, class Epilogue, class ExtAct, class ExtStore>
+          class KScale, class Promote, class Prepare, class Epilogue, class ExtAct, class ExtStore,
+          class BScales = NoDecode, class BDecode = NoDecode>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
-                                        Prepare prepare, Epilogue epilogue, ExtAct ext_act, ExtStore ext_store) {
+                                        Prepare prepare, Epilogue epilogue, ExtAct ext_act, ExtStore ext_store,
+                                        BScales b_scales = {}, BDecode b_decode = {}) {
     using S = WsShape<BN, PROMOTE, EXT>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -314,18 +452,33 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     const int rank = CLUSTER > 1 ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
-            mbar_init(full(st), 128 + 1);
+            mbar_init(full(st), WS_FULL_ARRIVALS);
             mbar_init(empty(st), 8 * CLUSTER);
         }
         for (int slot = 0; slot < 2; ++slot) {
             mbar_init(item_full(slot), 1);
             mbar_init(item_free(slot), 4 * CLUSTER);  // every producer warp of the cluster
         }
+        if constexpr (WS_DECODE)
+            for (int j = 0; j < PACK_RING; ++j) {
+                mbar_init(bars + ws_ring_off<BN>() + 8 * j, 1);                 // pfull: the TMA's bytes
+                mbar_init(bars + ws_ring_off<BN>() + 8 * (PACK_RING + j), 4);   // pfree: each producer warp
+            }
         mbar_init_fence();
     }
     if (CLUSTER > 1) cluster_sync();
     else __syncthreads();
-    if (threadIdx.x < 128) {
+    bool produced = false;
+    if constexpr (WS_DECODE) {
+        if (threadIdx.x < 128) {
+            set_max_regs_dec<PRODUCER_REGS>();
+            ws_produce_decoded<BN, KT, KEEP_A, EARLY_B>(base, bars, stage_item, next_item, work, work_counter, item,
+                                                        a_row, a_any, b_load, b_scales, b_decode);
+            produced = true;
+        }
+    }
+    if (produced) {
+    } else if (threadIdx.x < 128) {
         set_max_regs_dec<PRODUCER_REGS>();
         const int t = threadIdx.x, c = t % 8;
         const unsigned long long keep = KEEP_A ? l2_evict_last() : 0ull;

@@ -44,6 +44,19 @@ static_assert(!X_PER_ROW || (FP8 && WSCALE == 1), "per-token activation scales g
 // copies x so), so that a thread's activations load straight into its B fragments.
 constexpr int X_PAIR_GROUP = {{ x_pair_group }};  // G, or 0: x as given
 constexpr bool X_PAIRED = X_PAIR_GROUP > 0;
+// Weights decoded on the warp-specialised pipeline (gemm_wsq.cuh): the producer warpgroup's
+// ring of PACK_RING slots of packed k-tiles, PACK_BITS-bit codes; 0 where the TMA loads B as is.
+#define MOE_WS_DECODE ({{ pack_ring }} > 0)
+constexpr int PACK_RING = {{ pack_ring }};
+constexpr int PACK_BITS = {{ pack_bits }};
+constexpr bool WS_DECODE = MOE_WS_DECODE;
+// A B k-tile's bytes per weight row in the stage's source (packed, or 128 of K) and its step in
+// the tensor map's K coordinate (bytes, or elements).
+constexpr int B_ROW_BYTES = WS_DECODE ? 8 * PACK_BITS : 128;
+constexpr int B_KT_STEP = WS_DECODE ? 8 * PACK_BITS : 128 / ELEM_BYTES;
+// The warp-specialised epilogues scale columns from the consumers' `cols`: per-channel fp8 and
+// every decoded format (its row scales, and the decode's unit).
+constexpr bool COLS = WSCALE == 1 || WS_DECODE;
 static_assert(!X_PAIRED || (HIDDEN % 8 == 0 && 8 % X_PAIR_GROUP == 0), "whole groups per 16-byte chunk of x");
 // Where column n is stored in a paired row.
 __device__ __forceinline__ int x_pair_col(int n) {
@@ -102,6 +115,10 @@ using W13M = WMat<HIDDEN, 2 * INTER, EXPERTS>;  // w13 [E, 2I, H]
 using W2M = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 {%- endif %}
 {% if ws == 1 %}{% include "mbarrier.cuh" %}{% include "gemm_ws.cuh" %}{% endif %}
+{%- if ws == 1 %}{% if let Some(fmt) = fmt %}
+{% include "wq_decode.cuh" %}
+{% include "gemm_wsq.cuh" %}
+{%- endif %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 #if MOE_WS
@@ -307,7 +324,7 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
 // A consumer thread's per-channel scales (cols, WSCALE 1) of its columns 8 q + 2 (lane % 4) + 0, 1
 // of the tile (fragment q); 1 without them.
 __device__ __forceinline__ float2 col_scale(const float* cols, int lane, int q) {
-    return WSCALE == 1 ? *reinterpret_cast<const float2*>(cols + 8 * q + 2 * (lane % 4)) : make_float2(1.f, 1.f);
+    return COLS ? *reinterpret_cast<const float2*>(cols + 8 * q + 2 * (lane % 4)) : make_float2(1.f, 1.f);
 }
 // col_scale of fragments 0 .. N - 1, in registers before an epilogue's shared-memory stores, behind
 // which each load would otherwise wait (the stores' asm clobbers memory) and stall its multiplies.
@@ -425,8 +442,11 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         const int step = it.multicast ? CLUSTER : 1;
 #pragma unroll
         for (int b = it.multicast ? rank : 0; b < 2; b += step)
-            tma_load_tile(dst + b * (BN1 / 2) * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), row + b * INTER, bar,
-                          it.multicast);
+            tma_load_tile(dst + b * (BN1 / 2) * B_ROW_BYTES, b_map, kt * B_KT_STEP, row + b * INTER, bar, it.multicast);
+    };
+    // The global w13 row of the tile's column j: gate rows, then the same neurons' up rows.
+    auto w13_row = [&](const Work& it, int j) -> long {
+        return (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
     };
     // k-tile scales: s[h][b] for the thread's row h and the gate (b = 0) or up (1) columns.
     auto kscale = [&](const Work& it, int kt, int row0) {
@@ -454,16 +474,18 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         if constexpr (X_PER_ROW)
 #pragma unroll
             for (int h = 0; h < 2; ++h) ep.xs[h] = a_scales[it.tile * BM + row0 + lane / 4 + 8 * h];
+#if MOE_WS_DECODE
+        fill_cols<BN1>(cols, [&](int j) { return wq_row_scale<W13M>(w13_scales, w13_row(it, j)); });
+#else
         if constexpr (WSCALE == 1)
-            stage_cols<BN1>(cols, [&](int j) {
-                return w13_scales + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2) + (j < BN1 / 2 ? j : INTER + j - BN1 / 2);
-            });
+            stage_cols<BN1>(cols, [&](int j) { return w13_scales + w13_row(it, j); });
+#endif
         return ep;
     };
     // Padding rows are not stored: GEMM2 zero-fills its A rows there rather than reading them.
     auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
         constexpr int NQ = S::NF / 2;
-        if constexpr (WSCALE == 1) cols_ready();
+        if constexpr (COLS) cols_ready();
         const float* bcol = w13_bias + (long)it.e * 2 * INTER + it.nblk * (BN1 / 2);
         if constexpr (MID_FP8) {
             // Both rows' activations first, each column's scales loaded once (ahead of the
@@ -514,7 +536,8 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
             __syncwarp();
         } else {
             const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
-            store_warp_rows<NQ>(
+            // Decoded weights' GEMM2 reads the intermediate paired as its weight codes (x_pair_col).
+            store_warp_rows<NQ, X_PAIRED>(
                 buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, sc.v[q], sc.v[q + NQ], ep.xs[h], bcol); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0 ? nullptr
@@ -585,9 +608,19 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
             *reinterpret_cast<uint4*>(mid + pos * INTER + it.nblk * (BN1 / 2) + 8 * c) = raw;
         }
     };
+#if MOE_WS_DECODE
+    auto b_scales = [&](const Work& it, int kt) {
+        return wsq_scales<BN1, W13M>(w13_scales, [&](int r) { return w13_row(it, r); }, kt);
+    };
+    auto b_decode = [&](const WsqScales<BN1>& sc, unsigned src, unsigned dst) { wsq_decode<BN1>(sc, src, dst); };
+    ws_gemm<BN1, KT1, PROMOTE, true, false, TAIL>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row,
+                                                  (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
+                                                  ext_store, b_scales, b_decode);
+#else
     ws_gemm<BN1, KT1, PROMOTE, true, false, TAIL>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row,
                                                   (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
                                                   ext_store);
+#endif
 }
 #endif  // entry moe_gemm1
 
@@ -616,8 +649,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         const int step = it.multicast ? CLUSTER : 1;
 #pragma unroll
         for (int b = it.multicast ? rank : 0; b < CLUSTER; b += step)
-            tma_load_tile(dst + b * ROWS * BK_BYTES, b_map, kt * (BK_BYTES / ELEM_BYTES), it.e * HIDDEN + it.nblk * BN2 + b * ROWS,
-                          bar, it.multicast);
+            tma_load_tile(dst + b * ROWS * B_ROW_BYTES, b_map, kt * B_KT_STEP, it.e * HIDDEN + it.nblk * BN2 + b * ROWS, bar,
+                          it.multicast);
     };
     // k-tile scales: s[h][b] for the thread's row h and the 128-column block b of the tile.
     auto kscale = [&](const Work& it, int kt, int row0) {
@@ -643,12 +676,16 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     // The thread's rows' pairs and the tile's per-channel scales.
     auto prepare = [&](const Work& it, int row0, float* cols) {
         const RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
+#if MOE_WS_DECODE
+        fill_cols<BN2>(cols, [&](int j) { return wq_row_scale<W2M>(w2_scales, (long)it.e * HIDDEN + it.nblk * BN2 + j); });
+#else
         if constexpr (WSCALE == 1)
             stage_cols<BN2>(cols, [&](int j) { return w2_scales + (long)it.e * HIDDEN + it.nblk * BN2 + j; });
+#endif
         return ep;
     };
     auto epilogue = [&](const Work& it, const float* acc, int row0, const RowPairs& ep, const float* cols, unsigned buf) {
-        if constexpr (WSCALE == 1) cols_ready();
+        if constexpr (COLS) cols_ready();
         const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
         if (!ATOMIC) {
             // The routing weight is applied by the combine (moe_combine_rows).
@@ -688,9 +725,19 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                          : "memory");
         }
     };
+#if MOE_WS_DECODE
+    auto b_scales = [&](const Work& it, int kt) {
+        return wsq_scales<BN2, W2M>(w2_scales, [&](int r) { return (long)it.e * HIDDEN + it.nblk * BN2 + r; }, kt);
+    };
+    auto b_decode = [&](const WsqScales<BN2>& sc, unsigned src, unsigned dst) { wsq_decode<BN2>(sc, src, dst); };
+    ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
+                                           b_load, kscale, promote, prepare, epilogue, NoExt{}, NoExt{}, b_scales,
+                                           b_decode);
+#else
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue,
                                            NoExt{}, NoExt{});
+#endif
 }
 {%- if let Some(fmt) = fmt %}
 #else

@@ -5,8 +5,8 @@
 
 use clap::{Parser, Subcommand};
 use moe_codegen::{
-    family_supports, render, render_grouped, ActDtype, Activation, Arch, CodegenError, DequantVariant, GemmTiles,
-    KernelFamily, MoeSpec, SpecError, WeightFormat,
+    family_supports, heuristics::large_step_tiles, render, render_grouped, ActDtype, Activation, Arch, CodegenError,
+    DequantVariant, GemmTiles, KernelFamily, MoeSpec, SpecError, WeightFormat,
 };
 use moe_runtime::cache::{default_dir, Outcome};
 use moe_runtime::jit::{cubin_entry_points, reference_variants, resource_report};
@@ -510,7 +510,22 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
         Some(c) => println!("kernel cache: {}", c.dir().display()),
         None => println!("kernel cache: not used (--no-cache or --resources)"),
     }
-    let list: Vec<_> = list.iter().flat_map(|&(g, s, f)| archs.iter().map(move |&a| (g, s, f, a))).collect();
+    // Each module once per arch; a grouped spec with large-step tiles (weights the producer
+    // warpgroup decodes, sm_90a) also in those, which the layer loads beside its default.
+    let has_large = |s: &MoeSpec, f: KernelFamily, a: Arch| {
+        f == KernelFamily::GroupedGemm && tiles.is_none() && large_step_tiles(s, a).is_some()
+    };
+    let mut jobs_list: Vec<(&str, MoeSpec, KernelFamily, Arch, bool)> = Vec::new();
+    for large in [false, true] {
+        for &(g, s, f) in list {
+            for &a in archs {
+                if !large || has_large(&s, f, a) {
+                    jobs_list.push((g, s, f, a, large));
+                }
+            }
+        }
+    }
+    let list = jobs_list;
     if let Some(dir) = dump {
         if let Err(e) = std::fs::create_dir_all(dir) {
             eprintln!("cannot create {}: {e}", dir.display());
@@ -518,9 +533,13 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
         }
     }
     let t_all = std::time::Instant::now();
-    let one = |&(geo, spec, family, arch): &(&str, MoeSpec, KernelFamily, Arch)| -> Line {
+    let one = |&(geo, spec, family, arch, large): &(&str, MoeSpec, KernelFamily, Arch, bool)| -> Line {
         let t0 = std::time::Instant::now();
-        let src = match render_for_check(&spec, family, arch, tiles) {
+        let rendered = match large_step_tiles(&spec, arch).filter(|_| large) {
+            Some(t) => render_grouped(&spec, arch, t),
+            None => render_for_check(&spec, family, arch, tiles),
+        };
+        let src = match rendered {
             Ok(src) => src,
             Err(e @ CodegenError::DequantUnavailable { .. }) => {
                 return Line::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))

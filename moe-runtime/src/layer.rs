@@ -11,6 +11,7 @@ use crate::launch::ptr;
 use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use moe_codegen::heuristics::{large_step_tiles, large_step_tokens};
 use moe_codegen::{render, ActDtype, KernelFamily, KernelSource, MoeSpec, TOKEN_TILES};
 use std::sync::{Arc, Mutex};
 
@@ -84,6 +85,9 @@ pub struct MoeLayer {
     decode: DecodeFamily,
     /// The prefill family, where the spec's format and geometry allow it (else why not).
     grouped: std::result::Result<GroupedPath, String>,
+    /// The grouped family with the large-step tiles (`heuristics::large_step_tiles`) and the step
+    /// size from which it runs, where they differ from `grouped`'s.
+    grouped_large: Option<(usize, GroupedPath)>,
     /// The fused three-phase family, where the spec's geometry allows it (else why not).
     fused: std::result::Result<FusedFamily, String>,
     /// Steps of at least this many tokens take the grouped GEMMs.
@@ -141,16 +145,25 @@ impl MoeLayer {
             }
             Err(why) => Err(why),
         };
+        let large_src = match (&grouped_src, large_step_tiles(&spec, device.arch())) {
+            (Ok(_), Some(tiles)) => Some((tiles, moe_codegen::render_grouped(&spec, device.arch(), tiles)?)),
+            _ => None,
+        };
         // Every family's kernels in one parallel batch of compiles.
         let mut batch = vec![&src];
         batch.extend(grouped_src.as_ref().ok().map(|(_, g)| g));
+        batch.extend(large_src.as_ref().map(|(_, g)| g));
         batch.extend(fused.as_ref().ok());
         compile_all(device, &spec.kernel_spec(), &batch)?;
         let grouped = match grouped_src {
             Ok((tiles, gsrc)) => Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, &gsrc)?),
             Err(why) => Err(why),
         };
-        MoeLayer::build(device, spec, src, grouped, fused, weights)
+        let large = match large_src {
+            Some((tiles, gsrc)) => Some(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, &gsrc)?),
+            None => None,
+        };
+        MoeLayer::build(device, spec, src, grouped, large, fused, weights)
     }
 
     /// A layer from sources rendered ahead of time (e.g. by `#[moe_kernel]`): renders nothing.
@@ -168,21 +181,31 @@ impl MoeLayer {
         let decode = find(KernelFamily::WarpDecode)
             .ok_or(RuntimeError::MissingSource { family: KernelFamily::WarpDecode, arch })?
             .clone();
-        let grouped = match find(KernelFamily::GroupedGemm) {
-            Some(src) => {
-                let tiles = src.grouped_tiles.ok_or_else(|| RuntimeError::Shape {
-                    what: "KernelSource::grouped_tiles",
-                    expected: "the tiles the grouped source was rendered with".into(),
-                    got: "none".into(),
-                })?;
-                Ok(GroupedPath::with_source(device, &spec.kernel_spec(), tiles, src)?)
-            }
+        // A second grouped source with the large-step tiles gives the layer that path too.
+        let large_tiles = large_step_tiles(&spec, arch);
+        let is_large = |s: &&KernelSource| large_tiles.is_some() && s.grouped_tiles == large_tiles;
+        let grouped_sources = || sources.iter().filter(|s| s.family == KernelFamily::GroupedGemm && s.arch == arch);
+        let grouped_tiles = |src: &KernelSource| {
+            src.grouped_tiles.ok_or_else(|| RuntimeError::Shape {
+                what: "KernelSource::grouped_tiles",
+                expected: "the tiles the grouped source was rendered with".into(),
+                got: "none".into(),
+            })
+        };
+        let grouped = match grouped_sources().find(|s| !is_large(s)) {
+            Some(src) => Ok(GroupedPath::with_source(device, &spec.kernel_spec(), grouped_tiles(src)?, src)?),
             None => Err(format!("no grouped source for {arch} among the layer's sources")),
+        };
+        let large = match grouped_sources().find(is_large) {
+            Some(src) if grouped.is_ok() => {
+                Some(GroupedPath::with_source(device, &spec.kernel_spec(), grouped_tiles(src)?, src)?)
+            }
+            _ => None,
         };
         let fused = find(KernelFamily::Fused)
             .cloned()
             .ok_or_else(|| format!("no fused source for {arch} among the layer's sources"));
-        MoeLayer::build(device, spec, decode, grouped, fused, weights)
+        MoeLayer::build(device, spec, decode, grouped, large, fused, weights)
     }
 
     fn build<'w>(
@@ -190,6 +213,7 @@ impl MoeLayer {
         spec: MoeSpec,
         src: KernelSource,
         grouped: std::result::Result<GroupedPath, String>,
+        large: Option<GroupedPath>,
         fused: std::result::Result<KernelSource, String>,
         weights: impl Into<Weights<'w>>,
     ) -> Result<MoeLayer> {
@@ -229,6 +253,7 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
+            grouped_large: large.map(|g| (large_step_tokens(&kspec), g)),
             fused,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
             dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)).map(|m| m.restricted(fused_ok)),
@@ -283,9 +308,20 @@ impl MoeLayer {
     /// steps below the prefill threshold only: a larger step forced onto warp decode
     /// (`forward_family`) grows it outside capture, and inside one is `NotReserved`.
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
-        // The grouped module also routes from logits, for either family.
+        // The grouped module also routes from logits, for either family; the large-step path takes
+        // the steps from its size on.
         if let Ok(g) = &self.grouped {
-            g.reserve(&self.stream, &self.kspec, max_tokens, self.deterministic)?;
+            // (The device's dispatch runs on this path below the prefill threshold.)
+            let below = self
+                .grouped_large
+                .as_ref()
+                .map_or(max_tokens, |(from, _)| max_tokens.min((from - 1).max(self.prefill_threshold)));
+            g.reserve(&self.stream, &self.kspec, below.max(1), self.deterministic)?;
+        }
+        if let Some((from, g)) = &self.grouped_large {
+            if max_tokens >= *from {
+                g.reserve(&self.stream, &self.kspec, max_tokens, self.deterministic)?;
+            }
         }
         // Warp decode takes the steps below the threshold, or every step without the grouped
         // family; a decode launch never takes more than the family's chunk.
@@ -416,6 +452,7 @@ impl MoeLayer {
     pub fn set_grouped_tiles(&mut self, device: &Device, tiles: moe_codegen::GemmTiles) -> Result<()> {
         let src = moe_codegen::render_grouped(&self.spec, device.arch(), tiles)?;
         self.grouped = Ok(GroupedPath::with_source(device, &self.kspec, tiles, &src)?);
+        self.grouped_large = None; // these tiles take every grouped step
         Ok(())
     }
 
@@ -434,6 +471,13 @@ impl MoeLayer {
     /// The grouped family's tiles, if the layer has that family.
     pub fn grouped_tiles(&self) -> Option<moe_codegen::GemmTiles> {
         self.grouped.as_ref().ok().map(|g| g.tiles)
+    }
+
+    /// The tiles a grouped step of `m` tokens runs with: the large-step tiles from their step
+    /// size on (`moe_codegen::heuristics::large_step_tiles`, where the layer has them), else
+    /// [`MoeLayer::grouped_tiles`].
+    pub fn grouped_tiles_for(&self, m: usize) -> Option<moe_codegen::GemmTiles> {
+        self.grouped_for(m).ok().map(|g| g.tiles)
     }
 
     /// The family `forward` uses for a step of `m` tokens, or `None` where the dispatcher
@@ -616,7 +660,7 @@ impl MoeLayer {
         let s = &self.stream;
         let family = self.family_for(m);
         let (logits, bias) = (ptr(logits, s), ptr(&self.router_bias, s));
-        let Ok(g) = &self.grouped else {
+        let Ok(g) = self.grouped_for(m) else {
             let pairs = m * self.spec.top_k() as usize;
             let (ids, weights) = (self.ids_scratch(s, pairs)?, self.weights_scratch(s, pairs)?);
             self.decode.route(s, m, logits, bias, ids, weights)?;
@@ -643,7 +687,7 @@ impl MoeLayer {
     /// `(topk_ids, topk_weights)`, each `[M, k]`.
     pub fn last_routing(&self, m: usize) -> Result<(Vec<i32>, Vec<f32>)> {
         let n = m * self.spec.top_k() as usize;
-        let (ids, w) = match &self.grouped {
+        let (ids, w) = match self.last_grouped() {
             Ok(g) => g.last_routing(&self.stream)?,
             Err(_) => {
                 let ids = self.stream.clone_dtoh(&*self.ids32.lock().unwrap_or_else(|p| p.into_inner()))?;
@@ -658,7 +702,7 @@ impl MoeLayer {
 
     /// The grouped path's last alignment (syncs).
     pub fn last_alignment(&self) -> Result<Alignment> {
-        self.grouped_path()?.last_alignment(&self.stream)
+        self.last_grouped()?.last_alignment(&self.stream)
     }
 
     /// The fused family's status for this layer: `Err(why)` if the spec cannot use it.
@@ -676,6 +720,20 @@ impl MoeLayer {
         self.grouped
             .as_ref()
             .map_err(|why| RuntimeError::FamilyUnavailable { family: KernelFamily::GroupedGemm, why: why.clone() })
+    }
+
+    /// The grouped path a step of `m` tokens runs on.
+    fn grouped_for(&self, m: usize) -> Result<&GroupedPath> {
+        match &self.grouped_large {
+            Some((from, g)) if m >= *from => Ok(g),
+            _ => self.grouped_path(),
+        }
+    }
+
+    /// The grouped path the last step ran on (its token count in `last_plan`).
+    fn last_grouped(&self) -> Result<&GroupedPath> {
+        let m = self.last_plan.lock().unwrap_or_else(|p| p.into_inner()).map_or(0, |(m, _)| m);
+        self.grouped_for(m)
     }
 
     /// x `[M, H]` with M > 0 in the spec's dtype and y of the same shape; returns M.
@@ -738,8 +796,8 @@ impl MoeLayer {
         *self.last_plan.lock().unwrap_or_else(|p| p.into_inner()) = Some((m, family));
         match family {
             Some(KernelFamily::GroupedGemm) => {
-                tracing::debug!(m, "forward: grouped GEMMs");
-                let g = self.grouped_path()?;
+                let g = self.grouped_for(m)?;
+                tracing::debug!(m, tiles = ?g.tiles, "forward: grouped GEMMs");
                 g.reserve(stream, &self.kspec, m, self.deterministic)?;
                 g.forward(stream, &self.kspec, m, p, self.deterministic)
             }

@@ -468,6 +468,61 @@ fn quantized_per_codec_edges_and_graph_replay() {
     }
 }
 
+/// Every decoded format on the warp-specialised pipeline, its producer decoding the weights into
+/// wgmma's stages (`gemm_wsq.cuh`), against the reference on the same dequantized weights: 256-
+/// and 128-wide tiles, token counts that leave tiles partly empty and that give experts several
+/// tiles, uniform and skewed routing, fresh weights per format; then a captured step replays the
+/// eager one bit for bit. `MOE_FORMATS=int8_g32,mxfp4` runs only those (e.g. under
+/// compute-sanitizer).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decoded_weights_on_the_warp_specialised_pipeline_match_reference() {
+    let dev = gpu();
+    if dev.arch() != moe_codegen::Arch::Sm90a {
+        panic!("this test needs an sm_90a GPU (wgmma), found {:?}", dev.arch());
+    }
+    let only: Option<Vec<String>> =
+        std::env::var("MOE_FORMATS").ok().map(|v| v.split(',').map(str::to_owned).collect());
+    let decoded = WeightFormat::ALL.into_iter().filter(|&f| moe_codegen::grouped::dequantizes_weights(f));
+    for format in decoded.filter(|f| only.as_ref().is_none_or(|o| o.iter().any(|n| n == f.name()))) {
+        let spec = MoeSpec::builder(1024, 512, 16, 4).weight_format(format).build().unwrap();
+        let w = random_weights(&spec, fresh_seed());
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(true);
+        let defaults = layer.grouped_tiles().unwrap();
+        for option in ["256,256,3,1,1,bm128", "128,128,4,1,1,bm128"] {
+            let tiles = defaults.parse(option).unwrap();
+            layer.set_grouped_tiles(&dev, tiles).unwrap();
+            for (m, skew) in [(33, 0.0), (300, 0.85), (1500, 0.0)] {
+                let seed = fresh_seed();
+                let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed);
+                println!("{format:<14} {option:<20} m={m:<5} skew={skew:<4} rel_l2={rel:.3e} cos={cos:.8}");
+                let (tol, min_cos) = tolerance(&spec);
+                assert!(rel <= tol && cos >= min_cos, "{format} {option} m={m}: rel {rel:.3e} cos {cos:.8}");
+            }
+        }
+        let (x, ids, rw) = random_step(&spec, 200, 0.5, fresh_seed());
+        let (dx, did, dw) = (up(&layer, &bf(&x)), up(&layer, &ids), up(&layer, &rw));
+        let mut y = poisoned(&layer, 200 * 1024);
+        layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y).unwrap();
+        let eager = down(&layer, &y);
+        let (rel, _) = compare(&eager, &moe_forward(&spec, &w, &x, &ids, &rw));
+        let (tol, _) = tolerance(&spec);
+        assert!(rel <= tol, "{format}: rel {rel:.3e}");
+        layer.set_validate_routing(false); // its host check cannot be captured
+        layer.reserve(200).unwrap();
+        let mut y2 = poisoned(&layer, 200 * 1024);
+        let graph =
+            capture(layer.stream(), || layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y2))
+                .unwrap();
+        for _ in 0..2 {
+            graph.launch().unwrap();
+            let got = down(&layer, &y2);
+            assert!(got.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits()), "{format}: a replay differs");
+        }
+    }
+}
+
 /// The mixed-input GEMMs' tile options that are not defaults (16- and 32-token tiles, three and
 /// four blocks per SM) against the reference, for one format per code width and per scale
 /// kind, on a geometry with 128-row GEMM2 tiles and one with 64 (two warps along the tokens).

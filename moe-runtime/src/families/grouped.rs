@@ -366,7 +366,15 @@ impl GroupedPath {
         let (grid1, grid2) = (grid(nt1, self.gemm1_blocks), grid(nt2, self.gemm2_blocks));
         // The weights' tensor maps (warp-specialised kernels): w13 in boxes of BN1 / 2 rows (gate,
         // then up), w2 in boxes of BN2 rows.
-        let (w13_map, w2_map) = if self.tiles.warp_specialized {
+        let packed_bits = moe_codegen::grouped::decodes_weights(spec).then(|| spec.weight_format().elem_bits());
+        let (w13_map, w2_map) = if let (true, Some(bits)) = (self.tiles.warp_specialized, packed_bits) {
+            // Packed rows, a k-tile (64 codes) per box, decoded by the producer.
+            let (e, hs, is, b) = (spec.experts() as u64, spec.hidden() as u64, spec.intermediate() as u64, bits as u64);
+            (
+                TensorMap::packed(p.w13, e * 2 * is, hs * b / 8, 8 * bits, self.tiles.bn1 / 2)?,
+                TensorMap::packed(p.w2, e * hs, is * b / 8, 8 * bits, self.tiles.bn2)?,
+            )
+        } else if self.tiles.warp_specialized {
             let (e, hs, is) = (spec.experts() as u64, spec.hidden() as u64, spec.intermediate() as u64);
             let eb = if self.fp8 { 1 } else { 2 };
             (
