@@ -33,6 +33,7 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
     }
     let checked = syn::parse2::<Args>(attr)?.check()?;
     let sources = render_all(&checked)?;
+    let large = render_large(&checked)?;
     let Checked { spec, archs, families } = checked;
 
     // Enum values are written out by their variant names (their derived `Debug`), so a variant added
@@ -94,6 +95,23 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
         let text = format_ident!("__MOEFORGE_SOURCE_{i}");
         quote!(const #text: &str = #t;)
     });
+    // The grouped family's large-step modules (`heuristics::large_step_tiles`), one per arch that has them.
+    let large_rows = large.iter().map(|(arch, name, source)| {
+        let a = variant("Arch", *arch);
+        quote!((#a, #name, #source))
+    });
+    let large_doc = format!(
+        concat!(
+            " `(arch, module name, CUDA C source)` of the grouped family with its large-step tiles ",
+            "(`moe_codegen::heuristics::large_step_tiles`), which `load` adds for steps of ",
+            "`large_step_tokens` and more, rendered when the macro expanded:{}"
+        ),
+        if large.is_empty() {
+            " none for this spec and these archs.".to_string()
+        } else {
+            large.iter().map(|(a, n, _)| format!("\n- {a}: module `{n}`")).collect::<String>()
+        }
+    );
 
     // `with_sources` needs the warp-decode module; without that family there is no `load`.
     let load = families.iter().any(|f| f.value == KernelFamily::WarpDecode).then(|| {
@@ -120,6 +138,8 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                         sources.push(source);
                     }
                 }
+                // The grouped family's large-step module, where the spec and arch have one.
+                sources.extend(Self::large_step_source(arch));
                 ::moeforge::runtime::MoeLayer::with_sources(device, Self::SPEC, &sources, weights)
             }
         }
@@ -181,6 +201,28 @@ fn try_expand(attr: TokenStream, item: TokenStream) -> syn::Result<TokenStream> 
                 &[#(#rows),*]
             };
 
+            #[doc = #large_doc]
+            pub const LARGE_STEP_SOURCES: &[(#cg::Arch, &str, &str)] = &[#(#large_rows),*];
+
+            /// The grouped family's large-step module for `arch` as a `KernelSource` (its tiles
+            /// from `moe_codegen::heuristics::large_step_tiles`); `None` where the spec and arch
+            /// have none or the arch was not declared.
+            pub fn large_step_source(arch: #cg::Arch) -> ::core::option::Option<#cg::KernelSource> {
+                let tiles = #cg::heuristics::large_step_tiles(&Self::SPEC, arch)?;
+                let &(_, name, source) = Self::LARGE_STEP_SOURCES.iter().find(|s| s.0 == arch)?;
+                ::core::option::Option::Some(#cg::KernelSource {
+                    family: #cg::KernelFamily::GroupedGemm,
+                    arch,
+                    name: ::std::string::ToString::to_string(name),
+                    source: ::std::string::ToString::to_string(source),
+                    entry_points: #cg::render::entry_points(#cg::KernelFamily::GroupedGemm),
+                    block_threads: tiles.gemm_threads(),
+                    decode_tiles: ::core::option::Option::None,
+                    grouped_tiles: ::core::option::Option::Some(tiles),
+                    fused_tiles: ::core::option::Option::None,
+                })
+            }
+
             #[doc = #kernel_source_doc]
             pub fn kernel_source(
                 family: #cg::KernelFamily,
@@ -211,6 +253,23 @@ fn variant(ty: &str, v: impl Debug) -> TokenStream {
     let ty = format_ident!("{ty}");
     let v = format_ident!("{}", format!("{v:?}"));
     quote!(::moeforge::codegen::#ty::#v)
+}
+
+/// The grouped family's large-step modules: `(arch, module name, source)` for every declared arch
+/// where `large_step_tiles` has tiles for the spec (and the grouped family is declared).
+fn render_large(c: &Checked) -> syn::Result<Vec<(moe_codegen::Arch, String, String)>> {
+    let mut out = Vec::new();
+    if !c.families.iter().any(|f| f.value == KernelFamily::GroupedGemm) {
+        return Ok(out);
+    }
+    for arch in &c.archs {
+        if let Some(t) = moe_codegen::heuristics::large_step_tiles(&c.spec, arch.value) {
+            let k = moe_codegen::render_grouped(&c.spec, arch.value, t)
+                .map_err(|e| syn::Error::new(Span::call_site(), e))?;
+            out.push((arch.value, k.name, k.source));
+        }
+    }
+    Ok(out)
 }
 
 /// Every (family, arch) rendered: `(family, arch, module name, source)`.
@@ -314,6 +373,9 @@ mod tests {
                 assert!(!ids.iter().any(|i| i == renders), "`load` of {attr} calls `{renders}`: {ids:?}");
             }
         }
+        // The large-step module where the grouped family decodes the weights on sm_90a.
+        let ids = load_idents("hidden = 2048, intermediate = 768, experts = 128, top_k = 8, format = mxfp4").unwrap();
+        assert!(ids.iter().any(|i| i == "large_step_source"), "{ids:?}");
         // No warp decode, no `load` (`with_sources` needs it).
         assert!(load_idents("hidden = 2048, intermediate = 768, experts = 128, top_k = 8, families = [grouped_gemm]")
             .is_none());

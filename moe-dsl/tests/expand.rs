@@ -275,3 +275,20 @@ fn grouped_family_sources_equal_the_runtime_render() {
     }
     assert!(Qwen3Both::kernel_source(KernelFamily::GroupedGemm, Arch::Sm100a).is_none());
 }
+
+/// The grouped family's large-step module: embedded for decoded weights on sm_90a (the layer's
+/// `load` adds it), equal to the runtime render with `large_step_tiles`; none for bf16 or the
+/// mma.sync archs.
+#[test]
+fn large_step_sources_equal_the_runtime_render() {
+    use moeforge::codegen::heuristics::large_step_tiles;
+    let tiles = large_step_tiles(&Qwen3Int4::SPEC, Arch::Sm90a).expect("int4 decodes on sm_90a");
+    let k = Qwen3Int4::large_step_source(Arch::Sm90a).expect("embedded");
+    assert_eq!(k, moeforge::codegen::render_grouped(&Qwen3Int4::SPEC, Arch::Sm90a, tiles).unwrap());
+    assert_eq!((k.grouped_tiles, k.block_threads), (Some(tiles), 384));
+    assert_eq!(Qwen3Int4::LARGE_STEP_SOURCES.len(), 1);
+    for arch in [Arch::Sm100a, Arch::Sm120a] {
+        assert!(Qwen3Int4::large_step_source(arch).is_none());
+    }
+    assert!(Qwen3Both::LARGE_STEP_SOURCES.is_empty() && Qwen3Both::large_step_source(Arch::Sm90a).is_none());
+}

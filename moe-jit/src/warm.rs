@@ -39,7 +39,8 @@ fn archs(given: &[Arch]) -> Vec<Arch> {
     }
 }
 
-/// The sources a layer of `spec` renders on `arch`: `Ok(None)` where the arch lacks the spec's
+/// The sources a layer of `spec` renders on `arch` (the grouped family's large-step module
+/// included, where it has one): `Ok(None)` where the arch lacks the spec's
 /// dequant variant (no layer of it loads there).
 fn layer_sources(spec: &MoeSpec, arch: Arch) -> Result<Option<Vec<KernelSource>>, CodegenError> {
     let mut out = Vec::new();
@@ -48,6 +49,12 @@ fn layer_sources(spec: &MoeSpec, arch: Arch) -> Result<Option<Vec<KernelSource>>
             Ok(src) => out.push(src),
             Err(CodegenError::DequantUnavailable { .. }) => return Ok(None),
             Err(e) => return Err(e),
+        }
+    }
+    // The grouped family's large-step module, which the layer loads beside its default.
+    if family_supports(KernelFamily::GroupedGemm, spec) {
+        if let Some(tiles) = moe_codegen::heuristics::large_step_tiles(spec, arch) {
+            out.push(moe_codegen::render_grouped(spec, arch, tiles)?);
         }
     }
     Ok(Some(out))

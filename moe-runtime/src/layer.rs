@@ -169,6 +169,8 @@ impl MoeLayer {
     /// A layer from sources rendered ahead of time (e.g. by `#[moe_kernel]`): renders nothing.
     /// `sources` must hold the warp-decode module for the device's arch; a grouped module for
     /// that arch gives the layer the grouped family, and without one every step takes warp decode.
+    /// A second grouped module, rendered with `moe_codegen::heuristics::large_step_tiles`, takes
+    /// the steps of `large_step_tokens` and more (`#[moe_kernel]`'s `LARGE_STEP_SOURCES`).
     pub fn with_sources<'w>(
         device: &Device,
         spec: MoeSpec,
