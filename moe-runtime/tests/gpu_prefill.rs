@@ -356,6 +356,35 @@ fn geometry_cases(format: WeightFormat, ms: &[usize]) {
     }
 }
 
+/// Capture one grouped step of `m` tokens (x, ids, weights on the device) after reserving for it,
+/// and replay it twice: each replay must equal `eager`, the same step run eagerly, bit for bit.
+fn assert_replays_bit_for_bit(
+    layer: &MoeLayer,
+    m: usize,
+    (dx, did, dw): (&CudaSlice<Bf>, &CudaSlice<i32>, &CudaSlice<f32>),
+    eager: &[f32],
+    what: &str,
+) {
+    layer.reserve(m).unwrap();
+    let mut y = poisoned(layer, m * layer.spec().hidden() as usize);
+    let graph =
+        capture(layer.stream(), || layer.forward_family(KernelFamily::GroupedGemm, dx, did, dw, &mut y)).unwrap();
+    for _ in 0..2 {
+        graph.launch().unwrap();
+        let got = down(layer, &y);
+        let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i].to_bits() != eager[i].to_bits()).collect();
+        assert!(
+            differ.is_empty(),
+            "{what}: replay differs in {} of {} outputs, first at {} ({} against {})",
+            differ.len(),
+            got.len(),
+            differ[0],
+            got[differ[0]],
+            eager[differ[0]]
+        );
+    }
+}
+
 /// Relative L2 error and least cosine allowed against the reference. FP8 is compared with a reference that
 /// quantizes x and the intermediate to e4m3 as the kernels do, but Hopper's fp8 wgmma sums each
 /// k-tile with reduced precision, so some of the intermediate's bf16 values land on the other side
@@ -445,25 +474,7 @@ fn quantized_per_codec_edges_and_graph_replay() {
         println!("{format:<14} two ids out of range, skipped: rel_l2={rel:.3e} cos={cos:.8}");
         let (tol, min_cos) = tolerance(&spec);
         assert!(rel <= tol && cos >= min_cos, "{format}: rel_l2={rel:.3e} cos={cos:.8}");
-        layer.reserve(m).unwrap();
-        let mut y2 = poisoned(&layer, m * 320);
-        let graph =
-            capture(layer.stream(), || layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y2))
-                .unwrap();
-        for _ in 0..2 {
-            graph.launch().unwrap();
-            let got = down(&layer, &y2);
-            let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i].to_bits() != eager[i].to_bits()).collect();
-            assert!(
-                differ.is_empty(),
-                "{format}: replay differs in {} of {} outputs, first at {} ({} against {})",
-                differ.len(),
-                got.len(),
-                differ[0],
-                got[differ[0]],
-                eager[differ[0]]
-            );
-        }
+        assert_replays_bit_for_bit(&layer, m, (&dx, &did, &dw), &eager, format.name());
         layer.take_routing_errors().unwrap();
     }
 }
@@ -510,16 +521,7 @@ fn decoded_weights_on_the_warp_specialised_pipeline_match_reference() {
         let (tol, _) = tolerance(&spec);
         assert!(rel <= tol, "{format}: rel {rel:.3e}");
         layer.set_validate_routing(false); // its host check cannot be captured
-        layer.reserve(200).unwrap();
-        let mut y2 = poisoned(&layer, 200 * 1024);
-        let graph =
-            capture(layer.stream(), || layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y2))
-                .unwrap();
-        for _ in 0..2 {
-            graph.launch().unwrap();
-            let got = down(&layer, &y2);
-            assert!(got.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits()), "{format}: a replay differs");
-        }
+        assert_replays_bit_for_bit(&layer, 200, (&dx, &did, &dw), &eager, format.name());
     }
 }
 
