@@ -470,21 +470,19 @@ fn render_for_check(
 /// `check --list`: one line per module the selection renders (or an arch lacks), nothing compiled.
 fn print_selection(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], tiles: Option<&str>) -> ExitCode {
     let (mut n, mut skipped, mut failed) = (0, 0, 0);
-    for &(geo, spec, family) in list {
-        for &arch in archs {
-            match render_for_check(&spec, family, arch, tiles) {
-                Ok(src) => {
-                    n += 1;
-                    println!("{geo:<14} {:<56} {arch}", src.name);
-                }
-                Err(e @ CodegenError::DequantUnavailable { .. }) => {
-                    skipped += 1;
-                    println!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id());
-                }
-                Err(e) => {
-                    failed += 1;
-                    println!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id());
-                }
+    for (geo, spec, family, arch, large) in check_jobs(archs, list, tiles) {
+        match render_job(&spec, family, arch, large, tiles) {
+            Ok(src) => {
+                n += 1;
+                println!("{geo:<14} {:<56} {arch}", src.name);
+            }
+            Err(e @ CodegenError::DequantUnavailable { .. }) => {
+                skipped += 1;
+                println!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("FAIL  {geo:<14} {} {family} {arch}\n{e}", spec.id());
             }
         }
     }
@@ -493,6 +491,44 @@ fn print_selection(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// What `check` compiles: each (geometry, spec, family) once per arch, then (without `--tiles`)
+/// the grouped family's large-step module where the spec has one on the arch (weights the
+/// producer warpgroup decodes, sm_90a), which the layer loads beside its default: `large` true.
+fn check_jobs(
+    archs: &[Arch],
+    list: &[(&'static str, MoeSpec, KernelFamily)],
+    tiles: Option<&str>,
+) -> Vec<(&'static str, MoeSpec, KernelFamily, Arch, bool)> {
+    let has_large = |s: &MoeSpec, f: KernelFamily, a: Arch| {
+        f == KernelFamily::GroupedGemm && tiles.is_none() && large_step_tiles(s, a).is_some()
+    };
+    let mut jobs = Vec::new();
+    for large in [false, true] {
+        for &(g, s, f) in list {
+            for &a in archs {
+                if !large || has_large(&s, f, a) {
+                    jobs.push((g, s, f, a, large));
+                }
+            }
+        }
+    }
+    jobs
+}
+
+/// The source of one of `check_jobs`' entries.
+fn render_job(
+    spec: &MoeSpec,
+    family: KernelFamily,
+    arch: Arch,
+    large: bool,
+    tiles: Option<&str>,
+) -> Result<moe_codegen::KernelSource, CodegenError> {
+    match large_step_tiles(spec, arch).filter(|_| large) {
+        Some(t) => render_grouped(spec, arch, t),
+        None => render_for_check(spec, family, arch, tiles),
     }
 }
 
@@ -510,22 +546,7 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
         Some(c) => println!("kernel cache: {}", c.dir().display()),
         None => println!("kernel cache: not used (--no-cache or --resources)"),
     }
-    // Each module once per arch; a grouped spec with large-step tiles (weights the producer
-    // warpgroup decodes, sm_90a) also in those, which the layer loads beside its default.
-    let has_large = |s: &MoeSpec, f: KernelFamily, a: Arch| {
-        f == KernelFamily::GroupedGemm && tiles.is_none() && large_step_tiles(s, a).is_some()
-    };
-    let mut jobs_list: Vec<(&str, MoeSpec, KernelFamily, Arch, bool)> = Vec::new();
-    for large in [false, true] {
-        for &(g, s, f) in list {
-            for &a in archs {
-                if !large || has_large(&s, f, a) {
-                    jobs_list.push((g, s, f, a, large));
-                }
-            }
-        }
-    }
-    let list = jobs_list;
+    let list = check_jobs(archs, list, tiles);
     if let Some(dir) = dump {
         if let Err(e) = std::fs::create_dir_all(dir) {
             eprintln!("cannot create {}: {e}", dir.display());
@@ -535,11 +556,7 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
     let t_all = std::time::Instant::now();
     let one = |&(geo, spec, family, arch, large): &(&str, MoeSpec, KernelFamily, Arch, bool)| -> Line {
         let t0 = std::time::Instant::now();
-        let rendered = match large_step_tiles(&spec, arch).filter(|_| large) {
-            Some(t) => render_grouped(&spec, arch, t),
-            None => render_for_check(&spec, family, arch, tiles),
-        };
-        let src = match rendered {
+        let src = match render_job(&spec, family, arch, large, tiles) {
             Ok(src) => src,
             Err(e @ CodegenError::DequantUnavailable { .. }) => {
                 return Line::Skipped(format!("skip  {geo:<14} {} {family} {arch}: {e}", spec.id()))

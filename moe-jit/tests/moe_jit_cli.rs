@@ -88,7 +88,8 @@ fn check_refuses_a_selection_of_nothing() {
 #[test]
 fn check_takes_a_spec_of_ones_own() {
     // gpt-oss-20b's geometry in MXFP4: the decode family in each of the format's dequant variants
-    // and the grouped family (weights decoded by its loader, mma.sync), on each arch asked for.
+    // and the grouped family (weights decoded by its loader, mma.sync), on each arch asked for,
+    // and on sm_90a the grouped family's large-step module.
     let spec = ["--hidden", "2880", "--intermediate", "2880", "--experts", "32", "--top-k", "4", "--format", "mxfp4"];
     let out = moe_jit(&[&["check", "--list", "--arch", "sm_90a,sm_120a"][..], &spec].concat());
     let (stdout, stderr) = text(&out);
@@ -103,7 +104,11 @@ fn check_takes_a_spec_of_ones_own() {
         let grouped = |l: &str| l.contains("grouped_gemm_h2880_i2880_e32_k4_mxfp4_bf16_silu_") && l.contains("_mma");
         assert!(stdout.lines().any(|l| grouped(l) && l.ends_with(arch)), "no grouped module for {arch}: {stdout}");
     }
-    assert!(stdout.contains("8 modules to compile"), "{stdout}");
+    // On sm_90a also the grouped family's large-step module (the producer warpgroup decodes).
+    let large = |l: &str| l.contains("grouped_gemm_h2880_i2880_e32_k4_mxfp4_bf16_silu_") && l.contains("_wgmma_ws");
+    assert!(stdout.lines().any(|l| large(l) && l.ends_with("sm_90a")), "no large-step module: {stdout}");
+    assert!(!stdout.lines().any(|l| large(l) && l.ends_with("sm_120a")), "{stdout}");
+    assert!(stdout.contains("9 modules to compile"), "{stdout}");
     // And the decode module compiled, through the cache (the reference set holds this one: a hit
     // after `moe-jit check` in scripts/test.sh). The flags override the format's defaults.
     let flags =
