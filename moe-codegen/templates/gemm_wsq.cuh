@@ -47,36 +47,36 @@ __device__ __forceinline__ void wsq_decode_vecs(const WsqScales<BN>& sc, unsigne
     static_assert(N % G == 0, "whole groups of vectors");
 #pragma unroll
     for (int j0 = 0; j0 < N; j0 += G) {
-    uint4 vs[G];
+        uint4 vs[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) vs[g] = wsq_lds128(src + 16 * (threadIdx.x + 128 * (j0 + g)));
+        for (int g = 0; g < G; ++g) vs[g] = wsq_lds128(src + 16 * (threadIdx.x + 128 * (j0 + g)));
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int j = j0 + g;
-        const int q = threadIdx.x + 128 * j, r = q / WSQ_CH, part = q % WSQ_CH;
-        const uint4 v = vs[g];
-        const unsigned words[4] = {v.x, v.y, v.z, v.w};
-        const WScale& ws = sc.s[j];
-        constexpr bool big = BIG;
-        if constexpr (WQ_BITS == 4) {
-            // A word is 8 codes: one chunk of the row (chunk 4 part + i).
+        for (int g = 0; g < G; ++g) {
+            const int j = j0 + g;
+            const int q = threadIdx.x + 128 * j, r = q / WSQ_CH, part = q % WSQ_CH;
+            const uint4 v = vs[g];
+            const unsigned words[4] = {v.x, v.y, v.z, v.w};
+            const WScale& ws = sc.s[j];
+            constexpr bool big = BIG;
+            if constexpr (WQ_BITS == 4) {
+                // A word is 8 codes: one chunk of the row (chunk 4 part + i).
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                unsigned p[WQ_PAIRS];
-                wq_decode(big, words[i], ws, group_scale(ws, i * W_GROUPS / 4), p);
-                sts128(dst + swz(r, 4 * part + i), p[0], p[1], p[2], p[3]);
-            }
-        } else {
-            // Two words of 4 codes a chunk (chunk 2 part + i).
+                for (int i = 0; i < 4; ++i) {
+                    unsigned p[WQ_PAIRS];
+                    wq_decode(big, words[i], ws, group_scale(ws, i * W_GROUPS / 4), p);
+                    sts128(dst + swz(r, 4 * part + i), p[0], p[1], p[2], p[3]);
+                }
+            } else {
+                // Two words of 4 codes a chunk (chunk 2 part + i).
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                unsigned a[WQ_PAIRS], b[WQ_PAIRS];
-                wq_decode(big, words[2 * i], ws, group_scale(ws, 2 * i * W_GROUPS / 4), a);
-                wq_decode(big, words[2 * i + 1], ws, group_scale(ws, (2 * i + 1) * W_GROUPS / 4), b);
-                sts128(dst + swz(r, 2 * part + i), a[0], a[1], b[0], b[1]);
+                for (int i = 0; i < 2; ++i) {
+                    unsigned a[WQ_PAIRS], b[WQ_PAIRS];
+                    wq_decode(big, words[2 * i], ws, group_scale(ws, 2 * i * W_GROUPS / 4), a);
+                    wq_decode(big, words[2 * i + 1], ws, group_scale(ws, (2 * i + 1) * W_GROUPS / 4), b);
+                    sts128(dst + swz(r, 2 * part + i), a[0], a[1], b[0], b[1]);
+                }
             }
         }
-    }
     }
 }
 // One warp-uniform branch per k-tile, where any of the warp's vectors needs the two-multiply
