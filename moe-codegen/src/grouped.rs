@@ -208,10 +208,10 @@ impl GemmTiles {
     /// Dynamic shared memory of a warp-specialised GEMM whose producer decodes `bits`-bit weights
     /// (`ws_smem_bytes` with `WS_DECODE` in `gemm_ws.cuh`): the stages and the warp-specialised
     /// bookkeeping of [`Self::smem_bytes`], then from the next 128-byte boundary the ring's
-    /// mbarriers (128 bytes) and `ring` slots of `bn` rows x 64 codes.
+    /// mbarriers (128 bytes), `ring` slots of `bn` rows x 64 codes and two items' A row offsets.
     fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32) -> u32 {
         let ws = ((32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048).next_multiple_of(128);
-        self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws + 128 + ring * bn * 8 * bits
+        self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws + 128 + ring * bn * 8 * bits + 2 * self.bm * 4
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with

@@ -158,10 +158,14 @@ template <int BN>
 __host__ __device__ constexpr unsigned ws_ring_off() { return (ws_ext_off<BN>() + 127) & ~127u; }
 template <int BN>
 __host__ __device__ constexpr int ws_pack_bytes() { return BN * 8 * PACK_BITS; }
+// Past the ring's slots: two items' A row offsets (BM u32 each), written when the producer takes
+// an item and read at each of its k-tiles.
+constexpr int WS_ROW_BUF = 2 * BM * 4;
 template <int BN, int EXT>
 __host__ __device__ constexpr int ws_smem_bytes() {
     if constexpr (WS_DECODE)
-        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ring_off<BN>() + 128 + PACK_RING * ws_pack_bytes<BN>();
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ring_off<BN>() + 128 + PACK_RING * ws_pack_bytes<BN>() +
+               WS_ROW_BUF;
     else
         return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
 }
@@ -326,6 +330,10 @@ struct NoDecode {
 // it. The k-tiles form one stream across the block's work items: the next item is taken when the
 // loads reach it (AHEAD k-tiles before the decode does; named barrier 1 hands it to every
 // producer thread), so its first weights are in flight under the current item's last k-tiles.
+// A's rows: each producer thread resolves one row of an item when the item is taken (one load of
+// the layout rather than eight at the item's start, where the first gathers waited on them), into
+// the row buffer, which every thread reads at each k-tile (16-byte loads of its 8 rows) rather
+// than holding them in registers the decode needs.
 // Ring header (128 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (4 warps).
 template <int BN, int KT, bool KEEP_A, bool EARLY_B, class SI, class Item, class ARow, class BLoad, class BScales,
           class BDecode>
@@ -362,31 +370,41 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
         slot ^= 1;
         return __shfl_sync(0xffffffffu, w, 0);
     };
+    // Row r of an item goes to entry (r % 16) * 8 + r / 16 of its half of the row buffer, so that
+    // thread t's rows t / 8 + 16 j are its group's 8 consecutive entries.
+    const unsigned row_buf = ring + 128 + PACK_RING * ws_pack_bytes<BN>();
+    auto put_row = [&](const It& x, int half) {
+        const char* p = a_row(x, t);
+        const unsigned off = p ? (unsigned)((p - a_any) / 16) : ~0u;
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row_buf + half * BM * 4 + ((t % 16) * 8 + t / 16) * 4), "r"(off)
+                     : "memory");
+    };
     int w = take();
     It it = item(w < work ? w : 0, 0), nit = it;
     bool have_next = w < work;
     if (t == 0 && have_next)
         for (int kt = 0; kt < AHEAD; ++kt) issue(it, kt, kt);
+    if (have_next) put_row(it, 0);
     if (EARLY_B) pdl_wait();
     int s = 0;                  // stream position: k-tiles decoded so far (stage s % STAGES)
+    int half = 0;               // the row buffer's half that holds the current item's rows
     auto sc = b_scales(it, 0);  // this position's scales
     while (have_next) {
         it = nit;
-        // A's rows as 16-byte units past a_any (~0: padding), half the registers of pointers:
-        // this warpgroup's registers go to the decode.
-        unsigned rows[S::A_ROWS];
-#pragma unroll
-        for (int j = 0; j < S::A_ROWS; ++j) {
-            const char* p = a_row(it, t / 8 + 16 * j);
-            rows[j] = p ? (unsigned)((p - a_any) / 16) : ~0u;
-        }
+        // Every thread's row of the item is in the buffer (and every thread is done with the
+        // half the next item's rows go to).
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+        const unsigned my_rows = row_buf + half * BM * 4 + (t / 8) * 32;
         have_next = false;
 #pragma unroll 1
         for (int kt = 0; kt < KT; ++kt, ++s) {
             if (kt + AHEAD == KT) {  // the loads enter the next item
                 const int wn = take();
                 have_next = wn < work;
-                if (have_next) nit = item(wn, 0);
+                if (have_next) {
+                    nit = item(wn, 0);
+                    put_row(nit, half ^ 1);
+                }
             }
             if (t == 0) {
                 if (kt + AHEAD < KT) issue(it, kt + AHEAD, s + AHEAD);
@@ -397,6 +415,9 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             const int st = s % STAGES;
             const unsigned sa = base + st * S::STAGE_BYTES;
             mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
+            const uint4 r0 = lds128(my_rows), r1 = lds128(my_rows + 16);
+            const unsigned rows[S::A_ROWS] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+            static_assert(S::A_ROWS == 8, "8 rows a thread");
 #pragma unroll
             for (int j = 0; j < S::A_ROWS; ++j) {
                 // Without the L2 hint: with it, ptxas 13.0 built some formats' gathers with a
@@ -415,6 +436,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             mbar_arrive(full(st));
             sc = sc_next;
         }
+        half ^= 1;
     }
     // No more work: a stage with no data and live = -1 tells the consumers.
     const int st = s % STAGES;
