@@ -31,9 +31,29 @@ static_assert(BM == 128 && GEMM_THREADS == 384, "a producer and two 64-row consu
 // bounds' share): more would leave the consumers' setmaxnreg.inc waiting forever.
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * GEMM_THREADS, "the block's registers");
 static_assert(!WS_DECODE || CLUSTER == 1, "decoded weights: no clusters (each block decodes its own)");
+// Decoded weights (WS_DECODE): who decodes a k-tile's BN * WSQ_CH 16-byte vectors (gemm_wsq.cuh).
+// Where there are enough to halve and the codes are 4-bit (ON), the consumer warpgroups decode the second half (thread c
+// of 256: vectors 128 NP + c + 256 j, j < NC) of the k-tile after their current one, between
+// issuing a k-tile's MMAs and waiting for them, in issue slots the wgmma leaves idle; the
+// producer decodes the first half (thread t: t + 128 j, j < NP), and all of each item's first
+// WSQ_LEAD k-tiles (the consumers load their scales a k-tile ahead, within the item).
+template <int BN>
+struct WsqSplit {
+    static constexpr int N = BN * (PACK_BITS / 2) / 128;  // a producer thread's when it decodes all
+    static constexpr int NC = N / 4;                       // a consumer thread's
+    // 8-bit codes stay with the producer: int8 ran 4-6% slower split (H100, Qwen3-30B-A3B).
+    static constexpr bool ON = WS_DECODE && PACK_BITS == 4 && NC > 0;
+    static constexpr int NP = ON ? N / 2 : N;              // a producer thread's share
+};
+constexpr int WSQ_LEAD = 2;
+// Whether the consumers decode their share of an item's k-tile kt.
+template <int BN>
+__device__ __forceinline__ bool wsq_shared(int kt) { return WsqSplit<BN>::ON && kt >= WSQ_LEAD; }
 // Arrivals that fill a stage: each producer thread's cp.async of A, and thread 0's arming of the
-// weights' TMA bytes or (WS_DECODE) each producer thread once its decoded weights are stored.
-constexpr int WS_FULL_ARRIVALS = WS_DECODE ? 256 : 129;
+// weights' TMA bytes or (WS_DECODE) each producer thread once its decoded weights are stored, and
+// each consumer warp once its share is (thread 0 arrives for them where the producer decodes all).
+template <int BN>
+__host__ __device__ constexpr int ws_full_arrivals() { return WS_DECODE ? 256 + (WsqSplit<BN>::ON ? 8 : 0) : 129; }
 
 template <int BN, bool PROMOTE = FP8, int EXT = 0>
 struct WsShape {
@@ -110,6 +130,9 @@ __device__ __forceinline__ unsigned cluster_addr(unsigned a, int rank) {
 // skips that cluster-wide fence on every k-tile.
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned cluster_bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_n(unsigned bar, int n) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_bar) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
@@ -316,10 +339,24 @@ struct NoExt {
 // b_scales / b_decode of a GEMM whose weights the TMA loads as they are.
 struct NoDecode {
     template <class It>
+    __device__ int operator()(const It&, int, bool) const { return 0; }
+    template <class It>
     __device__ int operator()(const It&, int) const { return 0; }
-    __device__ void operator()(int, unsigned, unsigned) const {}
+    __device__ void operator()(int, bool, unsigned, unsigned) const {}
 };
 
+// The packed weights' ring (WS_DECODE) past `bars`: stream position pos's full and free mbarriers
+// and its slot.
+template <int BN>
+__device__ __forceinline__ unsigned ws_pfull(unsigned bars, int pos) { return bars + ws_ring_off<BN>() + 8 * (pos % PACK_RING); }
+template <int BN>
+__device__ __forceinline__ unsigned ws_pfree(unsigned bars, int pos) {
+    return bars + ws_ring_off<BN>() + 8 * (PACK_RING + pos % PACK_RING);
+}
+template <int BN>
+__device__ __forceinline__ unsigned ws_pslot(unsigned bars, int pos) {
+    return bars + ws_ring_off<BN>() + 128 + (pos % PACK_RING) * ws_pack_bytes<BN>();
+}
 // The producer warpgroup of a GEMM whose weights it decodes (WS_DECODE): thread 0 TMAs each
 // k-tile's packed weight rows as stored (b_load, boxes of 8 PACK_BITS bytes per row) into a ring
 // of PACK_RING slots, AHEAD k-tiles ahead of the one decoded; every producer thread gathers its A
@@ -345,9 +382,9 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 128, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
     const unsigned ring = bars + ws_ring_off<BN>();
-    auto pfull = [&](int pos) { return ring + 8 * (pos % PACK_RING); };
-    auto pfree = [&](int pos) { return ring + 8 * (PACK_RING + pos % PACK_RING); };
-    auto pslot = [&](int pos) { return ring + 128 + (pos % PACK_RING) * ws_pack_bytes<BN>(); };
+    auto pfull = [&](int pos) { return ws_pfull<BN>(bars, pos); };
+    auto pfree = [&](int pos) { return ws_pfree<BN>(bars, pos); };
+    auto pslot = [&](int pos) { return ws_pslot<BN>(bars, pos); };
     auto full = [&](int st) { return bars + 8 * st; };
     auto empty = [&](int st) { return bars + 8 * (STAGES + st); };
     using It = decltype(item(0, 0));
@@ -388,7 +425,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     if (EARLY_B) pdl_wait();
     int s = 0;                  // stream position: k-tiles decoded so far (stage s % STAGES)
     int half = 0;               // the row buffer's half that holds the current item's rows
-    auto sc = b_scales(it, 0);  // this position's scales
+    auto sc = b_scales(it, 0, true);  // this position's scales
     while (have_next) {
         it = nit;
         // Every thread's row of the item is in the buffer (and every thread is done with the
@@ -411,7 +448,9 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                 else if (have_next) issue(nit, kt + AHEAD - KT, s + AHEAD);
             }
             // The next position's scales, under this one's waits and decode.
-            const auto sc_next = kt + 1 < KT ? b_scales(it, kt + 1) : have_next ? b_scales(nit, 0) : sc;
+            const auto sc_next = kt + 1 < KT ? b_scales(it, kt + 1, !wsq_shared<BN>(kt + 1))
+                                 : have_next ? b_scales(nit, 0, true)
+                                             : sc;
             const int st = s % STAGES;
             const unsigned sa = base + st * S::STAGE_BYTES;
             mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
@@ -428,12 +467,15 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             }
             cp_async_arrive_noinc(full(st));
             mbar_wait(pfull(s), (s / PACK_RING) & 1);
-            b_decode(sc, pslot(s), sa + S::A_BYTES);
+            // Where the consumers take no share, thread 0 also arrives for their 8 warps.
+            const bool all = !wsq_shared<BN>(kt);
+            const int arrivals = 1 + (WsqSplit<BN>::ON && all && t == 0 ? 8 : 0);
+            b_decode(sc, all, pslot(s), sa + S::A_BYTES);
             __syncwarp();
-            if (t % 32 == 0) mbar_arrive(pfree(s));
+            if (t % 32 == 0) mbar_arrive_n(pfree(s), arrivals);
             fence_async_smem();  // the stores reach wgmma's async proxy
             if (t == 0 && kt == 0) stage_item[st] = SI{(rows[0] != ~0u) | (rows[4] != ~0u) << 1, it};
-            mbar_arrive(full(st));
+            mbar_arrive_n(full(st), arrivals);
             sc = sc_next;
         }
         half ^= 1;
@@ -443,17 +485,17 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
     if (t == 0) stage_item[st].live = -1;
     mbar_arrive(full(st));
-    mbar_arrive(full(st));
+    mbar_arrive_n(full(st), 1 + (WsqSplit<BN>::ON && t == 0 ? 8 : 0));
     cp_async_wait<0>();
 }
 
 template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, int EXT, class Item, class ARow, class BLoad,
           class KScale, class Promote, class Prepare, class Epilogue, class ExtAct, class ExtStore,
-          class BScales = NoDecode, class BDecode = NoDecode>
+          class BScales = NoDecode, class BDecode = NoDecode, class CScales = NoDecode>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
                                         Prepare prepare, Epilogue epilogue, ExtAct ext_act, ExtStore ext_store,
-                                        BScales b_scales = {}, BDecode b_decode = {}) {
+                                        BScales b_scales = {}, BDecode b_decode = {}, CScales c_scales = {}) {
     using S = WsShape<BN, PROMOTE, EXT>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -474,7 +516,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     const int rank = CLUSTER > 1 ? cluster_rank() : 0;
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
-            mbar_init(full(st), WS_FULL_ARRIVALS);
+            mbar_init(full(st), ws_full_arrivals<BN>());
             mbar_init(empty(st), 8 * CLUSTER);
         }
         for (int slot = 0; slot < 2; ++slot) {
@@ -484,7 +526,8 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         if constexpr (WS_DECODE)
             for (int j = 0; j < PACK_RING; ++j) {
                 mbar_init(bars + ws_ring_off<BN>() + 8 * j, 1);                 // pfull: the TMA's bytes
-                mbar_init(bars + ws_ring_off<BN>() + 8 * (PACK_RING + j), 4);   // pfree: each producer warp
+                // pfree: each producer warp, and each consumer warp where they decode a share
+                mbar_init(bars + ws_ring_off<BN>() + 8 * (PACK_RING + j), 4 + (WsqSplit<BN>::ON ? 8 : 0));
             }
         mbar_init_fence();
     }
@@ -632,6 +675,30 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             if (WG_LAG > 0 && wg == 0 && taken == WG_LAG) asm volatile("bar.arrive 4, 256;" ::: "memory");
         };
         if (WG_LAG > 0 && wg == 1) asm volatile("bar.sync 4, 256;" ::: "memory");
+        // Decoded weights (WsqSplit::ON): at an item's k-tile kt (stream position s), this thread's
+        // share of k-tile kt + 1 into its stage (once every consumer released the stage's previous
+        // use and the packed k-tile is in its ring slot) with the scales loaded a k-tile earlier,
+        // then the scales of k-tile kt + 2. Needs 3 stages or more: the stage after this one was
+        // released at the previous k-tile.
+        constexpr bool CDEC = WsqSplit<BN>::ON;
+        static_assert(!CDEC || (STAGES >= 3 && !PROMOTE), "the consumers' decode runs a stage ahead");
+        using CSc = decltype(c_scales(item(0, 0), 0));
+        CSc csc{};
+        auto cshare = [&](const It& it, int kt, int s) {
+            if (kt + 1 < KT && wsq_shared<BN>(kt + 1)) {
+                const int s1 = s + 1, st1 = s1 % STAGES;
+                mbar_wait(empty(st1), ((s1 / STAGES) & 1) ^ 1);
+                mbar_wait(ws_pfull<BN>(bars, s1), (s1 / PACK_RING) & 1);
+                b_decode(csc, false, ws_pslot<BN>(bars, s1), base + st1 * S::STAGE_BYTES + S::A_BYTES);
+                fence_async_smem();  // the stores reach wgmma's async proxy
+                __syncwarp();
+                if (threadIdx.x % 32 == 0) {
+                    mbar_arrive(ws_pfree<BN>(bars, s1));
+                    mbar_arrive(full(st1));
+                }
+            }
+            if (kt + 2 < KT && wsq_shared<BN>(kt + 2)) csc = c_scales(it, kt + 2);
+        };
         int s = 0;
         for (;;) {
             mbar_wait(full(s % STAGES), (s / STAGES) & 1);
@@ -658,6 +725,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                     lag_arrive(s);
                     if (kt > 0) mbar_wait(full(s % STAGES), (s / STAGES) & 1);
                     release(s % STAGES);
+                    if constexpr (CDEC) cshare(it, kt, s);
                 }
                 continue;
             }
@@ -703,6 +771,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
                         if constexpr (EXT > 0)
                             if (with_ext) ext_mma<EXT>(sa, sb, wg, eacc, kt == 0);
                         wgmma_commit();
+                        if constexpr (CDEC) cshare(it, kt, s);
                         // Keep this k-tile's MMAs in flight; the previous one's are done with its stage.
                         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                         if (kt > 0) release((s - 1) % STAGES);

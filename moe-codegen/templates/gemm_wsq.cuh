@@ -5,24 +5,33 @@
 // q % WSQ_CH) with wq_decode, the group scales applied, into 16-byte chunks of act_t at the
 // stage's swizzled row positions. A word's pairs come out in x_pair_col order, the order x and
 // the intermediate are stored in, so wgmma's K runs through both operands alike. Each weight
-// is decoded once per tile of BM = 128 rows, by threads that issue no MMA: the consumer
-// warpgroups run the bf16 pipeline unchanged.
+// is decoded once per tile of BM = 128 rows: by the producer, and with WSQ_SPLIT half of it by the
+// consumer warpgroups, whose issue slots are idle under their wgmma.
 constexpr int WSQ_ROW_BYTES = 8 * WQ_BITS;    // packed bytes of a weight row per k-tile (64 codes)
 constexpr int WSQ_CH = WSQ_ROW_BYTES / 16;    // its 16-byte vectors: 2 (4-bit) or 4 (8-bit)
 static_assert(WSQ_ROW_BYTES * 8 == 64 * WQ_BITS && PACK_BITS == WQ_BITS, "a k-tile of 64 codes per row");
-// A producer thread's vectors of one k-tile, and their scales.
-template <int BN>
+// The scales of a thread's vectors: a producer thread's (N, of which the first NP unless it
+// decodes all), or a consumer thread's (NC).
+template <int BN, bool CONSUMER>
 struct WsqScales {
-    static constexpr int N = BN * WSQ_CH / 128;
-    WScale s[N];
+    static constexpr int N = CONSUMER ? WsqSplit<BN>::NC : WsqSplit<BN>::N;
+    WScale s[N > 0 ? N : 1];
 };
-// The scales of k-tile kt's vectors of this thread; b_row(r): the global weight row of tile row r.
-template <int BN, class M, class BRow>
-__device__ __forceinline__ WsqScales<BN> wsq_scales(const void* scales, BRow b_row, int kt) {
-    WsqScales<BN> r;
+// Vector j of this thread's: the producer's (thread t < 128) or the consumers' (t - 128 of 256).
+template <int BN, bool CONSUMER>
+__device__ __forceinline__ int wsq_vec(int j) {
+    if constexpr (CONSUMER) return 128 * WsqSplit<BN>::NP + (threadIdx.x - 128) + 256 * j;
+    else return threadIdx.x + 128 * j;
+}
+// The scales of k-tile kt's vectors of this thread (a producer's: all N, or its NP where the
+// consumers decode the rest); b_row(r): the global weight row of tile row r.
+template <int BN, bool CONSUMER, class M, class BRow>
+__device__ __forceinline__ WsqScales<BN, CONSUMER> wsq_scales(const void* scales, BRow b_row, int kt, bool all) {
+    WsqScales<BN, CONSUMER> r;
 #pragma unroll
-    for (int j = 0; j < WsqScales<BN>::N; ++j) {
-        const int q = threadIdx.x + 128 * j;
+    for (int j = 0; j < WsqScales<BN, CONSUMER>::N; ++j) {
+        if (!CONSUMER && !all && j >= WsqSplit<BN>::NP) break;
+        const int q = wsq_vec<BN, CONSUMER>(j);
         r.s[j] = load_wscale<M>(scales, b_row(q / WSQ_CH), kt * WSQ_CH + q % WSQ_CH);
     }
     return r;
@@ -37,26 +46,26 @@ __device__ __forceinline__ uint4 wsq_lds128(unsigned addr) {
 __device__ __forceinline__ void sts128(unsigned addr, unsigned a, unsigned b, unsigned c, unsigned d) {
     asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
 }
-// Decode this thread's vectors of the packed slot at src into the B stage at dst; BIG: the
-// two-multiply decode of MX scales past one multiply (wq_decode's `big`).
+// Decode NV vectors q0 + STRIDE j of the packed slot at src into the B stage at dst, with the
+// scales s[j]; BIG: the two-multiply decode of MX scales past one multiply (wq_decode's `big`).
 // The vectors' loads are issued four at a time before their decode: one latency per four
 // vectors rather than one each (all eight of int8's at once spilled).
-template <bool BIG, int BN>
-__device__ __forceinline__ void wsq_decode_vecs(const WsqScales<BN>& sc, unsigned src, unsigned dst) {
-    constexpr int N = WsqScales<BN>::N, G = N < 4 ? N : 4;
-    static_assert(N % G == 0, "whole groups of vectors");
+template <bool BIG, int NV, int STRIDE>
+__device__ __forceinline__ void wsq_decode_vecs(const WScale* sc, int q0, unsigned src, unsigned dst) {
+    constexpr int G = NV < 4 ? NV : 4;
+    static_assert(NV % G == 0, "whole groups of vectors");
 #pragma unroll
-    for (int j0 = 0; j0 < N; j0 += G) {
+    for (int j0 = 0; j0 < NV; j0 += G) {
         uint4 vs[G];
 #pragma unroll
-        for (int g = 0; g < G; ++g) vs[g] = wsq_lds128(src + 16 * (threadIdx.x + 128 * (j0 + g)));
+        for (int g = 0; g < G; ++g) vs[g] = wsq_lds128(src + 16 * (q0 + STRIDE * (j0 + g)));
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const int j = j0 + g;
-            const int q = threadIdx.x + 128 * j, r = q / WSQ_CH, part = q % WSQ_CH;
+            const int q = q0 + STRIDE * j, r = q / WSQ_CH, part = q % WSQ_CH;
             const uint4 v = vs[g];
             const unsigned words[4] = {v.x, v.y, v.z, v.w};
-            const WScale& ws = sc.s[j];
+            const WScale& ws = sc[j];
             constexpr bool big = BIG;
             if constexpr (WQ_BITS == 4) {
                 // A word is 8 codes: one chunk of the row (chunk 4 part + i).
@@ -79,17 +88,45 @@ __device__ __forceinline__ void wsq_decode_vecs(const WsqScales<BN>& sc, unsigne
         }
     }
 }
-// One warp-uniform branch per k-tile, where any of the warp's vectors needs the two-multiply
+// One warp-uniform branch per call, where any of the warp's vectors needs the two-multiply
 // decode: a branch per vector diverged within the warp and kept the vectors' decodes apart.
-template <int BN>
-__device__ __forceinline__ void wsq_decode(const WsqScales<BN>& sc, unsigned src, unsigned dst) {
+template <int NV, int STRIDE>
+__device__ __forceinline__ void wsq_decode_part(const WScale* sc, int q0, unsigned src, unsigned dst) {
     bool big = false;
     if constexpr (WQ_BIG_SCALES)
 #pragma unroll
-        for (int j = 0; j < WsqScales<BN>::N; ++j) big |= wq_big(group_scale(sc.s[j], 0));
-    if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wsq_decode_vecs<true>(sc, src, dst);
-    else wsq_decode_vecs<false>(sc, src, dst);
+        for (int j = 0; j < NV; ++j) big |= wq_big(group_scale(sc[j], 0));
+    if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wsq_decode_vecs<true, NV, STRIDE>(sc, q0, src, dst);
+    else wsq_decode_vecs<false, NV, STRIDE>(sc, q0, src, dst);
 }
+// A producer thread's vectors of the k-tile in slot src into the B stage dst: its share, then
+// (`all`) the consumers' too, through the same code (one copy of the decode: two spilled).
+template <int BN>
+__device__ __forceinline__ void wsq_decode(WsqScales<BN, false> sc, bool all, unsigned src, unsigned dst) {
+    using P = WsqSplit<BN>;
+#pragma unroll 1
+    for (int h = 0;; ++h) {
+        wsq_decode_part<P::NP, 128>(sc.s, threadIdx.x + h * 128 * P::NP, src, dst);
+        if (!P::ON || !all || h == 1) break;
+#pragma unroll
+        for (int j = 0; j < P::NP; ++j) sc.s[j] = sc.s[P::NP + j];
+    }
+}
+// A consumer thread's share.
+template <int BN>
+__device__ __forceinline__ void wsq_decode(const WsqScales<BN, true>& sc, bool, unsigned src, unsigned dst) {
+    if constexpr (WsqSplit<BN>::ON) wsq_decode_part<WsqSplit<BN>::NC, 256>(sc.s, wsq_vec<BN, true>(0), src, dst);
+}
+// ws_gemm's b_decode: a producer thread's vectors, or a consumer thread's share.
+template <int BN>
+struct WsqDecoder {
+    __device__ void operator()(const WsqScales<BN, false>& sc, bool all, unsigned src, unsigned dst) const {
+        wsq_decode<BN>(sc, all, src, dst);
+    }
+    __device__ void operator()(const WsqScales<BN, true>& sc, bool all, unsigned src, unsigned dst) const {
+        wsq_decode<BN>(sc, all, src, dst);
+    }
+};
 // A consumer warpgroup fills its `cols` with f(j) for the tile's BN columns (the weight rows'
 // epilogue scales), once its warps agree the previous item's epilogue is done with them;
 // cols_ready() then waits for every thread's stores.

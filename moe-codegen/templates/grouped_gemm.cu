@@ -609,13 +609,16 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         }
     };
 #if MOE_WS_DECODE
-    auto b_scales = [&](const Work& it, int kt) {
-        return wsq_scales<BN1, W13M>(w13_scales, [&](int r) { return w13_row(it, r); }, kt);
+    auto b_scales = [&](const Work& it, int kt, bool all) {
+        return wsq_scales<BN1, false, W13M>(w13_scales, [&](int r) { return w13_row(it, r); }, kt, all);
     };
-    auto b_decode = [&](const WsqScales<BN1>& sc, unsigned src, unsigned dst) { wsq_decode<BN1>(sc, src, dst); };
+    auto c_scales = [&](const Work& it, int kt) {
+        return wsq_scales<BN1, true, W13M>(w13_scales, [&](int r) { return w13_row(it, r); }, kt, false);
+    };
+    const WsqDecoder<BN1> b_decode;
     ws_gemm<BN1, KT1, PROMOTE, true, false, TAIL>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row,
                                                   (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
-                                                  ext_store, b_scales, b_decode);
+                                                  ext_store, b_scales, b_decode, c_scales);
 #else
     ws_gemm<BN1, KT1, PROMOTE, true, false, TAIL>(smem, counts.x * NT1 / CLUSTER, work_counter, item, a_row,
                                                   (const char*)a, b_load, kscale, promote, prepare, epilogue, ext_act,
@@ -726,13 +729,17 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         }
     };
 #if MOE_WS_DECODE
-    auto b_scales = [&](const Work& it, int kt) {
-        return wsq_scales<BN2, W2M>(w2_scales, [&](int r) { return (long)it.e * HIDDEN + it.nblk * BN2 + r; }, kt);
+    auto w2_row = [&](const Work& it, int r) -> long { return (long)it.e * HIDDEN + it.nblk * BN2 + r; };
+    auto b_scales = [&](const Work& it, int kt, bool all) {
+        return wsq_scales<BN2, false, W2M>(w2_scales, [&](int r) { return w2_row(it, r); }, kt, all);
     };
-    auto b_decode = [&](const WsqScales<BN2>& sc, unsigned src, unsigned dst) { wsq_decode<BN2>(sc, src, dst); };
+    auto c_scales = [&](const Work& it, int kt) {
+        return wsq_scales<BN2, true, W2M>(w2_scales, [&](int r) { return w2_row(it, r); }, kt, false);
+    };
+    const WsqDecoder<BN2> b_decode;
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue, NoExt{}, NoExt{}, b_scales,
-                                           b_decode);
+                                           b_decode, c_scales);
 #else
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue,
