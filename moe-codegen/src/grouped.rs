@@ -93,6 +93,18 @@ pub(crate) fn wq_bits(spec: &MoeSpec) -> Option<u32> {
     decodes_weights(spec).then(|| spec.weight_format().elem_bits())
 }
 
+/// Whether decoded weights scale the columns of a tile differently in the warp-specialised
+/// epilogue (per-channel scales, a per-row zero-point record applied there, NVFP4's per-expert
+/// global): the consumers' per-column floats (`COLS` in `grouped_gemm.cu`). Otherwise every
+/// column takes the decode's one unit, a constant, and the floats take no shared memory.
+pub(crate) fn decoded_cols(spec: &MoeSpec) -> bool {
+    use crate::format::ScaleLayout;
+    matches!(
+        spec.weight_format().scale_layout(),
+        ScaleLayout::RowF32 | ScaleLayout::GroupF16Zero { group: 0 } | ScaleLayout::Nvfp4
+    )
+}
+
 /// One pipeline stage of a mixed-input GEMM (`WqShape::STAGE_BYTES` in `gemm_wq.cuh`): four
 /// 16-byte vectors of each of `bn` weight rows of `bits`-bit codes, as stored, and the same
 /// codes' activations (16-bit) of each of `bm` token rows.
@@ -172,7 +184,9 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM1 (with its extended rows).
     pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
-            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(self.bn1, bits, self.pack_ring(spec)),
+            Some(bits) if self.warp_specialized => {
+                self.ws_decode_smem_bytes(self.bn1, bits, self.pack_ring(spec), decoded_cols(spec))
+            }
             Some(bits) => self.wq_smem_bytes(self.bn1, bits),
             None => self.smem_bytes(self.bn1, self.extended_rows(spec)),
         }
@@ -181,7 +195,9 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM2.
     pub fn gemm2_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
-            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec)),
+            Some(bits) if self.warp_specialized => {
+                self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec), decoded_cols(spec))
+            }
             Some(bits) => self.wq_smem_bytes(self.bn2, bits),
             None => self.smem_bytes(self.bn2, 0),
         }
@@ -195,8 +211,10 @@ impl GemmTiles {
         match wq_bits(spec) {
             Some(bits) if self.warp_specialized => {
                 let (block, _) = smem_limits(Arch::Sm90a);
+                let cols = decoded_cols(spec);
                 let fits = |r| {
-                    self.ws_decode_smem_bytes(self.bn1, bits, r).max(self.ws_decode_smem_bytes(self.bn2, bits, r))
+                    self.ws_decode_smem_bytes(self.bn1, bits, r, cols)
+                        .max(self.ws_decode_smem_bytes(self.bn2, bits, r, cols))
                         <= block
                 };
                 (2..=4).rev().find(|&r| fits(r)).unwrap_or(2)
@@ -207,11 +225,13 @@ impl GemmTiles {
 
     /// Dynamic shared memory of a warp-specialised GEMM whose producer decodes `bits`-bit weights
     /// (`ws_smem_bytes` with `WS_DECODE` in `gemm_ws.cuh`): the stages and the warp-specialised
-    /// bookkeeping of [`Self::smem_bytes`], then from the next 128-byte boundary the ring's
-    /// mbarriers (128 bytes), `ring` slots of `bn` rows x 64 codes and two items' A row offsets.
-    fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32) -> u32 {
-        let ws = ((32 * self.stages + 32 + 8).next_multiple_of(16) + 2 * bn * 4 + 8 * 2048).next_multiple_of(128);
-        self.stages * (self.bm + bn) * BK_BYTES + 1024 + ws + 128 + ring * bn * 8 * bits + 2 * self.bm * 4
+    /// bookkeeping of [`Self::smem_bytes`] (the per-column floats only with `cols`:
+    /// [`decoded_cols`]), the ring's mbarriers (64 bytes), then from the next 128-byte boundary
+    /// `ring` slots of `bn` rows x 64 codes and two items' A row offsets.
+    fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32, cols: bool) -> u32 {
+        let floats = if cols { 2 * bn * 4 } else { 0 };
+        let slots = ((32 * self.stages + 32 + 8).next_multiple_of(16) + floats + 8 * 2048 + 64).next_multiple_of(128);
+        self.stages * (self.bm + bn) * BK_BYTES + 1024 + slots + ring * bn * 8 * bits + 2 * self.bm * 4
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
@@ -335,6 +355,8 @@ struct GroupedGemmCu {
     /// Weights decoded in registers: the codes per 32-bit word (8 or 4) within which x and the
     /// intermediate are stored paired (`x_pair_col`), else 0.
     x_pair_group: u32,
+    /// Decoded weights whose epilogue scales each column by its own float ([`decoded_cols`]).
+    wq_cols: bool,
     elem_bytes: u32,
     wscale: u32,
     mma_type: &'static str,
@@ -584,6 +606,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         pack_ring: tiles.pack_ring(spec),
         pack_bits: if tiles.warp_specialized { wq_bits(spec).unwrap_or(0) } else { 0 },
         x_pair_group: wq_bits(spec).map_or(0, |b| 32 / b),
+        wq_cols: decodes_weights(spec) && decoded_cols(spec),
         elem_bytes,
         wscale,
         mma_type,

@@ -160,25 +160,31 @@ __host__ __device__ constexpr unsigned ws_cols_off() { return (32 * STAGES + 32 
 __device__ __forceinline__ unsigned ws_cols_addr(unsigned bars) {
     return bars + ws_cols_off();
 }
+// The cols of both consumer warpgroups; none where decoded weights scale every column alike
+// (COLS false: the epilogue takes the decode's unit as a constant).
+template <int BN>
+__host__ __device__ constexpr unsigned ws_cols_bytes() { return WS_DECODE && !COLS ? 0 : 2 * BN * 4; }
 // Each consumer warp's 2 KiB for staging its output rows (store_warp_rows), past the cols.
 template <int BN>
 __device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
-    return ws_cols_addr(bars) + 2 * BN * 4 + (threadIdx.x / 32 - 4) * 2048;
+    return ws_cols_addr(bars) + ws_cols_bytes<BN>() + (threadIdx.x / 32 - 4) * 2048;
 }
 // Past the staging: an extended item's EXT rows x BN / 2 activations (act_t), between ext_act
 // and ext_store (extended items only).
 template <int BN>
-__host__ __device__ constexpr unsigned ws_ext_off() { return ws_cols_off() + 2 * BN * 4 + 8 * 2048; }
+__host__ __device__ constexpr unsigned ws_ext_off() { return ws_cols_off() + ws_cols_bytes<BN>() + 8 * 2048; }
 template <int BN>
 __device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
     return bars + ws_ext_off<BN>();
 }
 // The dynamic shared memory ws_gemm<BN, .., EXT> takes: 1 KiB of alignment slack, the stages,
 // then from bars up to the end of the extended rows (checked against the host's in grouped_gemm.cu).
-// WS_DECODE: past the staging (128-aligned), the packed weights' ring: PACK_RING mbarriers in
-// the first 128 bytes, then PACK_RING slots of a k-tile's packed rows (BN x 8 PACK_BITS bytes).
+// WS_DECODE: past the staging, the packed weights' ring: its 2 PACK_RING mbarriers (64 bytes),
+// then from the next 128 bytes PACK_RING slots of a k-tile's packed rows (BN x 8 PACK_BITS bytes).
 template <int BN>
-__host__ __device__ constexpr unsigned ws_ring_off() { return (ws_ext_off<BN>() + 127) & ~127u; }
+__host__ __device__ constexpr unsigned ws_ring_off() { return ws_ext_off<BN>(); }
+template <int BN>
+__host__ __device__ constexpr unsigned ws_slots_off() { return (ws_ring_off<BN>() + 64 + 127) & ~127u; }
 template <int BN>
 __host__ __device__ constexpr int ws_pack_bytes() { return BN * 8 * PACK_BITS; }
 // Past the ring's slots: two items' A row offsets (BM u32 each), written when the producer takes
@@ -187,7 +193,7 @@ constexpr int WS_ROW_BUF = 2 * BM * 4;
 template <int BN, int EXT>
 __host__ __device__ constexpr int ws_smem_bytes() {
     if constexpr (WS_DECODE)
-        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ring_off<BN>() + 128 + PACK_RING * ws_pack_bytes<BN>() +
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_slots_off<BN>() + PACK_RING * ws_pack_bytes<BN>() +
                WS_ROW_BUF;
     else
         return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
@@ -355,7 +361,7 @@ __device__ __forceinline__ unsigned ws_pfree(unsigned bars, int pos) {
 }
 template <int BN>
 __device__ __forceinline__ unsigned ws_pslot(unsigned bars, int pos) {
-    return bars + ws_ring_off<BN>() + 128 + (pos % PACK_RING) * ws_pack_bytes<BN>();
+    return bars + ws_slots_off<BN>() + (pos % PACK_RING) * ws_pack_bytes<BN>();
 }
 // The producer warpgroup of a GEMM whose weights it decodes (WS_DECODE): thread 0 TMAs each
 // k-tile's packed weight rows as stored (b_load, boxes of 8 PACK_BITS bytes per row) into a ring
@@ -371,7 +377,7 @@ __device__ __forceinline__ unsigned ws_pslot(unsigned bars, int pos) {
 // the layout rather than eight at the item's start, where the first gathers waited on them), into
 // the row buffer, which every thread reads at each k-tile (16-byte loads of its 8 rows) rather
 // than holding them in registers the decode needs.
-// Ring header (128 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (4 warps).
+// Ring header (64 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (the decoding warps).
 template <int BN, int KT, bool KEEP_A, bool EARLY_B, class SI, class Item, class ARow, class BLoad, class BScales,
           class BDecode>
 __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars, SI* stage_item, volatile int* next_item,
@@ -379,7 +385,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                                                    BLoad b_load, BScales b_scales, BDecode b_decode) {
     using S = WsShape<BN, false, 0>;
     constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
-    static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 128, "a slot decoded while the next loads; the ring's header");
+    static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 64, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
     const unsigned ring = bars + ws_ring_off<BN>();
     auto pfull = [&](int pos) { return ws_pfull<BN>(bars, pos); };
@@ -409,7 +415,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     };
     // Row r of an item goes to entry (r % 16) * 8 + r / 16 of its half of the row buffer, so that
     // thread t's rows t / 8 + 16 j are its group's 8 consecutive entries.
-    const unsigned row_buf = ring + 128 + PACK_RING * ws_pack_bytes<BN>();
+    const unsigned row_buf = bars + ws_slots_off<BN>() + PACK_RING * ws_pack_bytes<BN>();
     auto put_row = [&](const It& x, int half) {
         const char* p = a_row(x, t);
         const unsigned off = p ? (unsigned)((p - a_any) / 16) : ~0u;

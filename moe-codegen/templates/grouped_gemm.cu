@@ -55,8 +55,10 @@ constexpr bool WS_DECODE = MOE_WS_DECODE;
 constexpr int B_ROW_BYTES = WS_DECODE ? 8 * PACK_BITS : 128;
 constexpr int B_KT_STEP = WS_DECODE ? 8 * PACK_BITS : 128 / ELEM_BYTES;
 // The warp-specialised epilogues scale columns from the consumers' `cols`: per-channel fp8 and
-// every decoded format (its row scales, and the decode's unit).
-constexpr bool COLS = WSCALE == 1 || WS_DECODE;
+// the decoded formats with per-row scales (the scale times the decode's unit; for the others the
+// unit alone, a constant: MOE_COL_UNIT).
+constexpr bool WQ_COLS = {{ wq_cols }};
+constexpr bool COLS = WSCALE == 1 || (WS_DECODE && WQ_COLS);
 static_assert(!X_PAIRED || (HIDDEN % 8 == 0 && 8 % X_PAIR_GROUP == 0), "whole groups per 16-byte chunk of x");
 // Where column n is stored in a paired row.
 __device__ __forceinline__ int x_pair_col(int n) {
@@ -118,6 +120,8 @@ using W2M = WMat<INTER, HIDDEN, EXPERTS>;        // w2 [E, H, I]
 {%- if ws == 1 %}{% if let Some(fmt) = fmt %}
 {% include "wq_decode.cuh" %}
 {% include "gemm_wsq.cuh" %}
+static_assert(WQ_COLS == (WQ_SCALE_IN_EPILOGUE || {{ fmt.scales == "row" || fmt.scales == "nvfp4" }}),
+              "cols wherever wq_row_scale is not one constant");
 {%- endif %}{% endif %}
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
@@ -323,8 +327,13 @@ __device__ __forceinline__ void store_mid(act_t* __restrict__ mid, int row, int 
 
 // A consumer thread's per-channel scales (cols, WSCALE 1) of its columns 8 q + 2 (lane % 4) + 0, 1
 // of the tile (fragment q); 1 without them.
+#if MOE_WS_DECODE
+#define MOE_COL_UNIT WQ_UNIT
+#else
+#define MOE_COL_UNIT 1.f
+#endif
 __device__ __forceinline__ float2 col_scale(const float* cols, int lane, int q) {
-    return COLS ? *reinterpret_cast<const float2*>(cols + 8 * q + 2 * (lane % 4)) : make_float2(1.f, 1.f);
+    return COLS ? *reinterpret_cast<const float2*>(cols + 8 * q + 2 * (lane % 4)) : make_float2(MOE_COL_UNIT, MOE_COL_UNIT);
 }
 // col_scale of fragments 0 .. N - 1, in registers before an epilogue's shared-memory stores, behind
 // which each load would otherwise wait (the stores' asm clobbers memory) and stall its multiplies.
@@ -475,7 +484,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) ep.xs[h] = a_scales[it.tile * BM + row0 + lane / 4 + 8 * h];
 #if MOE_WS_DECODE
-        fill_cols<BN1>(cols, [&](int j) { return wq_row_scale<W13M>(w13_scales, w13_row(it, j)); });
+        if constexpr (COLS) fill_cols<BN1>(cols, [&](int j) { return wq_row_scale<W13M>(w13_scales, w13_row(it, j)); });
 #else
         if constexpr (WSCALE == 1)
             stage_cols<BN1>(cols, [&](int j) { return w13_scales + w13_row(it, j); });
@@ -680,7 +689,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     auto prepare = [&](const Work& it, int row0, float* cols) {
         const RowPairs ep = row_pairs(sorted_rows, it.tile, row0, lane);
 #if MOE_WS_DECODE
-        fill_cols<BN2>(cols, [&](int j) { return wq_row_scale<W2M>(w2_scales, (long)it.e * HIDDEN + it.nblk * BN2 + j); });
+        if constexpr (COLS)
+            fill_cols<BN2>(cols, [&](int j) { return wq_row_scale<W2M>(w2_scales, (long)it.e * HIDDEN + it.nblk * BN2 + j); });
 #else
         if constexpr (WSCALE == 1)
             stage_cols<BN2>(cols, [&](int j) { return w2_scales + (long)it.e * HIDDEN + it.nblk * BN2 + j; });
