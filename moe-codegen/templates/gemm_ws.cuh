@@ -32,11 +32,11 @@ static_assert(BM == 128 && GEMM_THREADS == 384, "a producer and two 64-row consu
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * GEMM_THREADS, "the block's registers");
 static_assert(!WS_DECODE || CLUSTER == 1, "decoded weights: no clusters (each block decodes its own)");
 // Decoded weights (WS_DECODE): who decodes a k-tile's BN * WSQ_CH 16-byte vectors (gemm_wsq.cuh).
-// Where there are enough to halve and the codes are 4-bit (ON), the consumer warpgroups decode the second half (thread c
-// of 256: vectors 128 NP + c + 256 j, j < NC) of the k-tile after their current one, between
-// issuing a k-tile's MMAs and waiting for them, in issue slots the wgmma leaves idle; the
-// producer decodes the first half (thread t: t + 128 j, j < NP), and all of each item's first
-// WSQ_LEAD k-tiles (the consumers load their scales a k-tile ahead, within the item).
+// Where there are enough to halve and the codes are 4-bit (ON), the consumer warpgroups decode
+// the second half (thread c of 256: vectors 128 NP + c + 256 j, j < NC) of the k-tile after their
+// current one, between issuing a k-tile's MMAs and waiting for them, in issue slots the wgmma
+// leaves idle; the producer decodes the first half (thread t: t + 128 j, j < NP), and all of each
+// item's first WSQ_LEAD k-tiles (the consumers load their scales a k-tile ahead, within the item).
 template <int BN>
 struct WsqSplit {
     static constexpr int N = BN * (PACK_BITS / 2) / 128;  // a producer thread's when it decodes all
@@ -342,7 +342,10 @@ struct NoExt {
     template <class It>
     __device__ void operator()(const It&, unsigned) const {}
 };
-// b_scales / b_decode of a GEMM whose weights the TMA loads as they are.
+// b_scales / b_decode / c_scales of a GEMM whose weights the TMA loads as they are. With decoded
+// weights (WS_DECODE, gemm_wsq.cuh): b_scales(item, kt, all) the producer thread's scales of
+// k-tile kt (all: its share and the consumers'), c_scales(item, kt) a consumer thread's, and
+// b_decode(scales, all, slot, stage) either's vectors of a packed slot into a B stage.
 struct NoDecode {
     template <class It>
     __device__ int operator()(const It&, int, bool) const { return 0; }
@@ -387,7 +390,6 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
     static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 64, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
-    const unsigned ring = bars + ws_ring_off<BN>();
     auto pfull = [&](int pos) { return ws_pfull<BN>(bars, pos); };
     auto pfree = [&](int pos) { return ws_pfree<BN>(bars, pos); };
     auto pslot = [&](int pos) { return ws_pslot<BN>(bars, pos); };

@@ -5,8 +5,8 @@
 // q % WSQ_CH) with wq_decode, the group scales applied, into 16-byte chunks of act_t at the
 // stage's swizzled row positions. A word's pairs come out in x_pair_col order, the order x and
 // the intermediate are stored in, so wgmma's K runs through both operands alike. Each weight
-// is decoded once per tile of BM = 128 rows: by the producer, and with WSQ_SPLIT half of it by the
-// consumer warpgroups, whose issue slots are idle under their wgmma.
+// is decoded once per tile of BM = 128 rows: by the producer, and for 4-bit codes half of it by
+// the consumer warpgroups, whose issue slots are idle under their wgmma (WsqSplit, gemm_ws.cuh).
 constexpr int WSQ_ROW_BYTES = 8 * WQ_BITS;    // packed bytes of a weight row per k-tile (64 codes)
 constexpr int WSQ_CH = WSQ_ROW_BYTES / 16;    // its 16-byte vectors: 2 (4-bit) or 4 (8-bit)
 static_assert(WSQ_ROW_BYTES * 8 == 64 * WQ_BITS && PACK_BITS == WQ_BITS, "a k-tile of 64 codes per row");
