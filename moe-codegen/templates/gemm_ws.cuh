@@ -480,9 +480,9 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             fence_async_smem();  // the stores reach wgmma's async proxy
             if (t == 0 && kt == 0) stage_item[st] = SI{(rows[0] != ~0u) | (rows[4] != ~0u) << 1, it};
             mbar_arrive_n(full(st), arrivals);
-            // The next position's scales, loaded after this stage's proxy fence: loaded before
-            // it (a k-tile ahead of their use), the fence waited for them (H100, Qwen3-30B-A3B at
-            // M = 4096: int8 g64 1431 -> 1282 us, 4-bit formats 2-4% faster).
+            // The next position's scales, loaded after this stage's fence and arrival: loaded a
+            // k-tile ahead, before the decode, they stalled the fence and held registers across the
+            // decode (H100, Qwen3-30B-A3B at M = 4096: int8 g64 1431 -> 1282 us, 4-bit 2-5%).
             if (kt + 1 < KT) sc = b_scales(it, kt + 1, !wsq_shared<BN>(kt + 1));
             else if (have_next) sc = b_scales(nit, 0, true);
         }
