@@ -5,7 +5,7 @@
 //! slowest rank's median over five batches of replays.
 //!
 //! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
-//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--report FILE]`
+//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--kernels] [--report FILE]`
 
 use half::bf16;
 use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -109,7 +109,7 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
 }
 
 /// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
-/// this rank.
+/// this rank; whether its transfers ran on the copy engines.
 fn rank(
     r: usize,
     n: usize,
@@ -117,8 +117,8 @@ fn rank(
     spec: &MoeSpec,
     tokens: &[usize],
     layer_tokens: &[usize],
-    fp8_dispatch: bool,
-) -> Vec<[f64; 5]> {
+    options: EpConfig,
+) -> (Vec<[f64; 5]>, bool) {
     let dev = Device::new(r).unwrap();
     let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
@@ -126,9 +126,10 @@ fn rank(
     let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
-    let cfg = EpConfig { fp8_dispatch, ..EpConfig::new(max) };
+    let cfg = EpConfig { max_tokens: max, ..options };
     let mut layer = EpLayer::new(&dev, comm, *spec, map, w, cfg).unwrap();
-    tokens
+    let on_copy_engines = layer.copy_engines();
+    let times = tokens
         .iter()
         .map(|&m| {
             let (x, ids, rw) = random_step(spec, m, 0.0, 10 + r as u64);
@@ -179,7 +180,8 @@ fn rank(
             layer.synchronize().unwrap();
             t
         })
-        .collect()
+        .collect();
+    (times, on_copy_engines)
 }
 
 fn main() {
@@ -197,6 +199,10 @@ fn main() {
     let layer_tokens: Vec<usize> = list(&args, "--layer-tokens").unwrap_or(vec![4096]);
     // `--fp8-dispatch`: tokens travel to their peers in e4m3 (EpConfig::fp8_dispatch).
     let fp8_dispatch = args.iter().any(|a| a == "--fp8-dispatch");
+    // `--kernels`: a send and a receive per peer on NCCL's kernels (EpConfig::copy_engines off).
+    let copy_engines = !args.iter().any(|a| a == "--kernels");
+    // Every option but the bound, which each geometry's rank sets from its token counts.
+    let options = EpConfig { fp8_dispatch, copy_engines, ..EpConfig::new(1) };
     // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
     let mut nccl_env: Vec<String> =
         std::env::vars().filter(|(k, _)| k.starts_with("NCCL_")).map(|(k, v)| format!("{k}={v}")).collect();
@@ -221,19 +227,20 @@ fn main() {
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
-        let per_rank: Vec<Vec<[f64; 5]>> = std::thread::scope(|sc| {
+        let per_rank: Vec<(Vec<[f64; 5]>, bool)> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|r| {
                     sc.spawn({
                         let (id, spec, all, layer_tokens) = (&id, &spec, &all, &layer_tokens);
-                        move || rank(r, n, id, spec, all, layer_tokens, fp8_dispatch)
+                        move || rank(r, n, id, spec, all, layer_tokens, options)
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (ti, &m) in all.iter().enumerate() {
-            let slowest = |kind: usize| per_rank.iter().map(|t| t[ti][kind]).fold(0.0, f64::max);
+            let slowest = |kind: usize| per_rank.iter().map(|t| t.0[ti][kind]).fold(0.0, f64::max);
+            let transport = if per_rank.iter().all(|t| t.1) { "copy_engines" } else { "kernels" };
             let mut rows = Vec::new();
             if tokens.contains(&m) {
                 for (kind, name) in [(0, "dispatch"), (1, "combine"), (2, "round_trip")] {
@@ -249,9 +256,10 @@ fn main() {
                     "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
                     "nccl_env": nccl_env, "dispatch_dtype": if fp8_dispatch { "e4m3" } else { "bf16" },
+                    "transport": transport,
                     "device": device, "date": date,
                 });
-                let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n}: {us:9.1} us");
+                let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n} {transport}: {us:9.1} us");
                 if let Some((one, speedup)) = layer {
                     row["one_gpu_us"] = serde_json::json!((one * 1000.0).round() / 1000.0);
                     row["speedup_vs_1gpu"] = serde_json::json!((speedup * 1000.0).round() / 1000.0);

@@ -334,7 +334,6 @@ kernel_params! {
     EpPackParams {
         x: u64 = "const uint4* __restrict__",
         pos: u64 = "const int* __restrict__",
-        slots: u64 = "const int* __restrict__",
         send: u64 = "char* __restrict__",
         m: i32 = "int",
         rows: i32 = "int",
@@ -346,7 +345,8 @@ kernel_params! {
         recv: u64 = "const char* __restrict__",
         x_recv: u64 = "uint4* __restrict__",
         rows: i32 = "int",
-        slots: i32 = "int",
+        rank: i32 = "int",
+        ranks: i32 = "int",
     }
     /// `moe_ep_combine`: each token's partial outputs, summed in rank order.
     EpCombineParams {

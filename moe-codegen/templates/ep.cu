@@ -8,6 +8,8 @@
 //                   rank order in fp32: the same bits whatever the arrival order.
 // Slab j (1 <= j < ranks) travels to rank (rank + j) % ranks and, from the receiver's side, holds
 // rows from rank (receiver - j) % ranks; slab 0 is this rank's own experts, which read x in place.
+// The transfer buffers hold one chunk per rank, `slab_stride` apart, chunk d for (or from) rank d:
+// an all-to-all's layout (this rank's own chunk unused).
 // A slab's rows carry the receiver's local expert ids and routing weights, `slots` per row (the
 // receiver's layer's top-k: min(k, the experts it owns)); rows past the step's count are padding
 // with every id -1, which the layer skips.
@@ -39,11 +41,11 @@ constexpr long WIRE_ROW_BYTES = WIRE_FP8 ? (HIDDEN + HIDDEN / 32 + 15) / 16 * 16
 // `slab_bytes`).
 __device__ __forceinline__ long meta_bytes(int rows, int slots) { return ((long)rows * slots * 4 + 15) / 16 * 16; }
 __device__ __forceinline__ long slab_bytes(int rows, int slots) { return rows * WIRE_ROW_BYTES + 2 * meta_bytes(rows, slots); }
-// Slab j's offset in the send buffer: the slabs for peers rank + 1, ..., rank + j - 1 before it.
-__device__ __forceinline__ long slab_offset(const int* __restrict__ slots, int j, int rows, int rank, int ranks) {
-    long off = 0;
-    for (int q = 1; q < j; ++q) off += slab_bytes(rows, __ldg(slots + (rank + q) % ranks));
-    return off;
+// Chunks are as long as the largest slab (a rank's slots are at most TOP_K).
+__device__ __forceinline__ long slab_stride(int rows) { return slab_bytes(rows, TOP_K); }
+// Slab j's offset in the send buffer: chunk (rank + j) % ranks.
+__device__ __forceinline__ long slab_offset(int j, int rows, int rank, int ranks) {
+    return (long)((rank + j) % ranks) * slab_stride(rows);
 }
 
 __device__ __forceinline__ unsigned ep_lanemask_lt() {
@@ -166,12 +168,9 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t = blockIdx.x * PLAN_THREADS + tid;
     if (tid == 0) {
-        long off = 0;
         for (int j = 0; j < ranks; ++j) {
-            const int s = slots[(rank + j) % ranks];
-            slab_slots[j] = s;
-            slab_ids[j] = off + rows * WIRE_ROW_BYTES;
-            if (j > 0) off += slab_bytes(rows, s);
+            slab_slots[j] = slots[(rank + j) % ranks];
+            slab_ids[j] = slab_offset(j, rows, rank, ranks) + rows * WIRE_ROW_BYTES;
         }
         dropped = 0;
     }
@@ -278,7 +277,7 @@ moe_ep_pack(const __grid_constant__ EpPackParams params) {
             for (int j = 1; j < ranks; ++j) {
                 const int row = __ldg(pos + (long)t * ranks + j);
                 if (row < 0) continue;
-                char* dst = send + slab_offset(slots, j, rows, rank, ranks) + row * WIRE_ROW_BYTES;
+                char* dst = send + slab_offset(j, rows, rank, ranks) + row * WIRE_ROW_BYTES;
                 *reinterpret_cast<uint2*>(dst + 8 * v) = make_uint2(q[0], q[1]);
                 if (v % 16 == 0) *reinterpret_cast<float*>(dst + HIDDEN + 4 * (v / 16)) = scale;
             }
@@ -288,22 +287,22 @@ moe_ep_pack(const __grid_constant__ EpPackParams params) {
     for (int j = 1; j < ranks; ++j) {
         const int row = __ldg(pos + (long)t * ranks + j);
         if (row < 0) continue;
-        uint4* dst = reinterpret_cast<uint4*>(send + slab_offset(slots, j, rows, rank, ranks) + row * ROW_BYTES);
+        uint4* dst = reinterpret_cast<uint4*>(send + slab_offset(j, rows, rank, ranks) + row * ROW_BYTES);
         for (int v = threadIdx.x; v < ROW_VECS; v += ROW_THREADS) dst[v] = __ldg(src + v);
     }
 }
 #endif
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_unpack)
-// fp8 dispatch: block (j - 1) rows + r turns row r of the received slab j back into act_t
-// (x_recv, slab j at (j - 1) * rows), for this rank's experts. Padding rows too: their ids are
-// -1, and no expert reads them.
+// fp8 dispatch: block (j - 1) rows + r turns row r of the received slab j (chunk (rank - j) %
+// ranks of recv) back into act_t (x_recv, slab j at (j - 1) * rows), for this rank's experts.
+// Padding rows too: their ids are -1, and no expert reads them.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 moe_ep_unpack(const __grid_constant__ EpUnpackParams params) {
     MOE_UNPACK_EpUnpackParams(params);
     if (!WIRE_FP8 || rows <= 0) return;
     const int r = blockIdx.x % rows, j = blockIdx.x / rows + 1;
-    const char* src = recv + (long)(j - 1) * slab_bytes(rows, slots) + (long)r * WIRE_ROW_BYTES;
+    const char* src = recv + (long)((rank - j + ranks) % ranks) * slab_stride(rows) + (long)r * WIRE_ROW_BYTES;
     uint4* dst = x_recv + ((long)(j - 1) * rows + r) * ROW_VECS;
     for (int v = threadIdx.x; v < ROW_VECS; v += ROW_THREADS) {
         const uint2 q = *reinterpret_cast<const uint2*>(src + 8 * v);
@@ -327,7 +326,7 @@ moe_ep_unpack(const __grid_constant__ EpUnpackParams params) {
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_combine)
 // Block t sums token t's partials: rank p's, for p = 0, 1, ..., from y_self (this rank) or from
-// the slab rank p returned (y_peers, slab j at (j - 1) * rows), in fp32, rounded once.
+// the slab rank p returned (y_peers, chunk p of `rows` rows), in fp32, rounded once.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 moe_ep_combine(const __grid_constant__ EpCombineParams params) {
     MOE_UNPACK_EpCombineParams(params);
@@ -342,7 +341,7 @@ moe_ep_combine(const __grid_constant__ EpCombineParams params) {
             const int row = __ldg(pos + (long)t * ranks + j);
             if (row < 0) continue;
             const uint4 u = j == 0 ? __ldg(y_self + (long)t * ROW_VECS + v)
-                                   : __ldg(y_peers + ((long)(j - 1) * rows + row) * ROW_VECS + v);
+                                   : __ldg(y_peers + ((long)p * rows + row) * ROW_VECS + v);
             const act_t* a = reinterpret_cast<const act_t*>(&u);
 #pragma unroll
             for (int i = 0; i < VEC_ELEMS; ++i) acc[i] += act_to_f(a[i]);

@@ -107,23 +107,39 @@ fn ep_layer_matches_the_single_gpu_layer() {
     let flat: Vec<Step> = steps.iter().flatten().cloned().collect();
     let want = single_gpu(&spec, &w, &flat);
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
-    let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
-        let (dev, c) = comm(r, n, id, 60);
-        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
-        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(4096)).unwrap();
-        let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
-        layer.take_errors().unwrap();
-        out
-    });
-    for (ci, &(skew, m)) in cases.iter().enumerate() {
-        for r in 0..n {
-            let (a, b) = &got[r][ci];
-            assert_eq!(a, b, "rank {r} skew {skew} m {m}: two runs differ");
-            let y: Vec<f32> = a.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
-            let reference: Vec<f64> = want[ci * n + r].iter().map(|&v| v as f64).collect();
-            let (rel, cos) = compare(&y, &reference);
-            eprintln!("{n} ranks, rank {r}, skew {skew}, m {m}: rel L2 {rel:.2e}, cosine {cos:.8} vs one GPU");
-            assert!(rel <= 5e-3 && cos >= 0.99999, "rank {r} skew {skew} m {m}: rel {rel:.3e} cos {cos}");
+    // Both transports: all-to-alls between symmetric windows (copy engines), and a send and a
+    // receive per peer (NCCL's kernels). The same bits either way.
+    // got[rank][case]: two runs' output bits.
+    type Runs = Vec<Vec<(Vec<u16>, Vec<u16>)>>;
+    let mut first: Option<Runs> = None;
+    for copy_engines in [true, false] {
+        let got: Runs = on_ranks(n, |r, id| {
+            let (dev, c) = comm(r, n, id, 60);
+            let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+            let cfg = EpConfig { copy_engines, ..EpConfig::new(4096) };
+            let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
+            eprintln!("rank {r}: copy engines asked {copy_engines}, available {}", layer.copy_engines());
+            assert!(copy_engines || !layer.copy_engines());
+            let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
+            layer.take_errors().unwrap();
+            out
+        });
+        for (ci, &(skew, m)) in cases.iter().enumerate() {
+            for r in 0..n {
+                let (a, b) = &got[r][ci];
+                assert_eq!(a, b, "rank {r} skew {skew} m {m}: two runs differ");
+                let y: Vec<f32> = a.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
+                let reference: Vec<f64> = want[ci * n + r].iter().map(|&v| v as f64).collect();
+                let (rel, cos) = compare(&y, &reference);
+                eprintln!(
+                    "{n} ranks, copy engines {copy_engines}, rank {r}, skew {skew}, m {m}: rel L2 {rel:.2e}, cosine {cos:.8} vs one GPU"
+                );
+                assert!(rel <= 5e-3 && cos >= 0.99999, "rank {r} skew {skew} m {m}: rel {rel:.3e} cos {cos}");
+            }
+        }
+        match &first {
+            None => first = Some(got),
+            Some(f) => assert!(*f == got, "the two transports gave different bits"),
         }
     }
 }
@@ -221,6 +237,14 @@ fn ep_step_replays_from_a_cuda_graph() {
         let cfg = EpConfig { fp8_dispatch: true, ..EpConfig::new(256) };
         let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
         replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ (7 + r) as u64));
+    });
+    // NCCL's kernels instead of the copy engines.
+    on_ranks(n, |r, id| {
+        let (dev, c) = comm(r, n, id, 60);
+        let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+        let cfg = EpConfig { copy_engines: false, ..EpConfig::new(256) };
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
+        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ (11 + r) as u64));
     });
 }
 

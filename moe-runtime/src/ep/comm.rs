@@ -73,6 +73,47 @@ pub struct Comm {
 // An NCCL communicator may be used from any thread, one call at a time (`&mut` or the layer).
 unsafe impl Send for Comm {}
 
+/// `NCCL_WIN_COLL_SYMMETRIC` (nccl.h): every rank passes the same offsets into the window.
+const WIN_COLL_SYMMETRIC: i32 = 0x01;
+/// `NCCL_CTA_POLICY_ZERO` (nccl.h, 2.28): collectives that can run on the copy engines do (today
+/// all-to-all, scatter, gather and all-gather between symmetric windows within one node); every
+/// other call is as under the default policy.
+const CTA_POLICY_ZERO: i32 = 0x02;
+
+/// Device memory from `ncclMemAlloc`, registered with a communicator as a symmetric window, so
+/// that an all-to-all between two of them can run on the copy engines. Freed on drop; its
+/// registration goes with the communicator (which is aborted, never destroyed: see
+/// [`Comm`]'s drop), so it must outlive the [`Comm`] only in memory, not in use.
+pub(crate) struct Window {
+    ptr: u64,
+    bytes: usize,
+    /// Null where NCCL registered nothing: no symmetric memory here (no direct peer access, or
+    /// `NCCL_WIN_ENABLE=0`); transfers from it then run on NCCL's kernels.
+    win: sys::ncclWindow_t,
+}
+
+// The window is device memory and a handle NCCL owns; nothing in it is tied to a thread.
+unsafe impl Send for Window {}
+
+impl Window {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Whether NCCL registered it (a copy-engine all-to-all is possible).
+    pub(crate) fn registered(&self) -> bool {
+        !self.win.is_null()
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        unsafe { sys::ncclMemFree(self.ptr as *mut _) };
+    }
+}
+
 /// One point-to-point transfer of a group.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum P2p {
@@ -197,6 +238,58 @@ impl Comm {
         self.wait("ncclGroupEnd")
     }
 
+    /// `bytes` of zeroed device memory registered as a symmetric window. Collective: every rank
+    /// makes the same windows, in the same order, of the same sizes.
+    pub(crate) fn window(&self, bytes: usize, stream: &CudaStream) -> Result<Window, EpError> {
+        self.live()?;
+        self.ctx.bind_to_thread()?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let r = unsafe { sys::ncclMemAlloc(&mut p, bytes) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            return Err(nccl_err("ncclMemAlloc", r));
+        }
+        let mut w = Window { ptr: p as u64, bytes, win: std::ptr::null_mut() };
+        unsafe { cu::cuMemsetD8Async(w.ptr, 0, bytes, stream.cu_stream()).result()? };
+        let r = unsafe { sys::ncclCommWindowRegister(self.raw, p, bytes, &mut w.win, WIN_COLL_SYMMETRIC) };
+        if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+            self.abort();
+            return Err(nccl_err("ncclCommWindowRegister", r));
+        }
+        self.wait("ncclCommWindowRegister")?;
+        Ok(w)
+    }
+
+    /// Chunk `d` of `send` (`bytes` long, at `d * bytes`) to rank `d`'s `recv`, at `rank *
+    /// bytes`, for every rank d (this one included: a local copy), enqueued on `stream`. Between
+    /// two registered windows within one node NCCL runs it on the copy engines, no SM taken
+    /// from the kernels it overlaps; otherwise on its kernels, as a send and a receive per peer.
+    pub(crate) fn all_to_all(
+        &self,
+        send: &Window,
+        recv: &Window,
+        bytes: usize,
+        stream: &CudaStream,
+    ) -> Result<(), EpError> {
+        self.live()?;
+        debug_assert!(bytes * self.ranks <= send.bytes().min(recv.bytes()));
+        self.ctx.bind_to_thread()?;
+        let r = unsafe {
+            sys::ncclAlltoAll(
+                send.ptr() as _,
+                recv.ptr() as _,
+                bytes,
+                sys::ncclDataType_t::ncclUint8,
+                self.raw,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+            self.abort();
+            return Err(nccl_err("ncclAlltoAll", r));
+        }
+        self.wait("ncclAlltoAll")
+    }
+
     /// Every rank's `mine` (the same length on each), in rank order; waits on the host.
     pub(crate) fn all_gather(&self, mine: &[u8], stream: &Arc<CudaStream>) -> Result<Vec<u8>, EpError> {
         self.live()?;
@@ -265,7 +358,8 @@ impl Drop for Comm {
     }
 }
 
-/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: every other field unset (NCCL's defaults).
+/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0` and the zero-CTA policy (it changes nothing but
+/// which all-to-alls run on the copy engines); every other field unset (NCCL's defaults).
 fn nonblocking_config() -> sys::ncclConfig_t {
     const UNDEF_INT: i32 = i32::MIN;
     sys::ncclConfig_t {
@@ -281,7 +375,7 @@ fn nonblocking_config() -> sys::ncclConfig_t {
         trafficClass: UNDEF_INT,
         commName: std::ptr::null(),
         collnetEnable: UNDEF_INT,
-        CTAPolicy: UNDEF_INT,
+        CTAPolicy: CTA_POLICY_ZERO,
         shrinkShare: UNDEF_INT,
         nvlsCTAs: UNDEF_INT,
         nChannelsPerNetPeer: UNDEF_INT,

@@ -1,7 +1,7 @@
 //! The expert-parallel layer: this rank's experts as a [`MoeLayer`], the exchange kernels and
 //! their buffers, and the step's halves.
 
-use super::comm::{Comm, P2p};
+use super::comm::{Comm, P2p, Window};
 use super::map::ExpertMap;
 use super::EpError;
 use crate::device::Device;
@@ -31,13 +31,20 @@ pub struct EpConfig {
     /// unquantized). The hidden size must be a multiple of 128. The combine stays in the
     /// activation dtype.
     pub fp8_dispatch: bool,
+    /// The transfers run as NCCL all-to-alls between symmetric windows, which NCCL moves with the
+    /// GPU's copy engines within a node: no SM is taken from the experts' kernels they overlap
+    /// (NCCL's transfer kernels wait for SMs that a persistent GEMM holds). Each all-to-all also
+    /// copies this rank's own chunk locally (padding; NCCL's all-to-all has no empty chunk). Off:
+    /// one NCCL send and receive per peer, on NCCL's kernels. Across nodes NCCL runs the
+    /// all-to-all on its kernels either way.
+    pub copy_engines: bool,
 }
 
 impl EpConfig {
     /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case, activations sent
     /// as they are.
     pub fn new(max_tokens: usize) -> EpConfig {
-        EpConfig { max_tokens, capacity: None, fp8_dispatch: false }
+        EpConfig { max_tokens, capacity: None, fp8_dispatch: false, copy_engines: true }
     }
     fn slab_rows(&self) -> usize {
         self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
@@ -69,7 +76,27 @@ struct Kernels {
     combine: Kernel<EpCombineParams>,
 }
 
-/// Device buffers, sized once from [`EpConfig`].
+/// A buffer the transfers read or write: a symmetric window ([`EpConfig::copy_engines`]) or
+/// ordinary device memory.
+enum Xfer {
+    Window(Window),
+    Plain(CudaSlice<u8>),
+}
+
+impl Xfer {
+    fn new(comm: &Comm, windows: bool, bytes: usize, s: &Arc<CudaStream>) -> Result<Xfer, EpError> {
+        Ok(if windows { Xfer::Window(comm.window(bytes, s)?) } else { Xfer::Plain(s.alloc_zeros(bytes)?) })
+    }
+    fn ptr(&self, s: &CudaStream) -> u64 {
+        match self {
+            Xfer::Window(w) => w.ptr(),
+            Xfer::Plain(b) => ptr(b, s),
+        }
+    }
+}
+
+/// Device buffers, sized once from [`EpConfig`]. The transfer buffers hold one chunk per rank,
+/// chunk d for (or from) rank d: an all-to-all's layout (this rank's own chunk unused).
 struct Buffers {
     owner: CudaSlice<i32>,
     local: CudaSlice<i32>,
@@ -80,14 +107,15 @@ struct Buffers {
     self_ids: CudaSlice<i32>,
     self_weights: CudaSlice<f32>,
     /// The peers' slabs (one NCCL transfer each: rows, ids, weights; `slab_bytes`), and ours
-    /// from them.
-    send: CudaSlice<u8>,
-    recv: CudaSlice<u8>,
+    /// from them, at `slab_stride` apart.
+    send: Xfer,
+    recv: Xfer,
     /// fp8 dispatch: the received rows back in the activation dtype (else unused).
     x_recv: CudaSlice<u8>,
     y_self: CudaSlice<u8>,
-    y_recv: CudaSlice<u8>,
-    y_back: CudaSlice<u8>,
+    /// Outputs of the slab from rank d at chunk d, returned to d; theirs for us at chunk d.
+    y_recv: Xfer,
+    y_back: Xfer,
     err: CudaSlice<i32>,
 }
 
@@ -104,6 +132,7 @@ pub struct EpLayer {
     spec: MoeSpec,
     map: ExpertMap,
     cfg: EpConfig,
+    // Dropped (aborted) before `bufs`, whose windows it has registered.
     comm: Comm,
     local: MoeLayer,
     /// Slots per row of each rank's layer: min(top-k, the experts it holds).
@@ -196,9 +225,11 @@ impl EpLayer {
 
         let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
         let wire = wire_row_bytes(&spec, cfg.fp8_dispatch);
-        let send_bytes: usize = (1..ranks).map(|j| slab_bytes(rows, slots[(rank + j) % ranks], wire)).sum();
+        let chunks = ranks * slab_stride(rows, k, wire);
         let n = |v: usize| v.max(1);
         let s = &stream;
+        // Collective: every rank makes the same windows in the same order (the digest above).
+        let ce = cfg.copy_engines;
         let bufs = Buffers {
             owner: s.clone_htod(&map.owners_i32())?,
             local: s.clone_htod(&map.locals_i32())?,
@@ -207,14 +238,21 @@ impl EpLayer {
             pos: s.alloc_zeros(n(cfg.max_tokens * ranks))?,
             self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
             self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
-            send: s.alloc_zeros(n(send_bytes))?,
-            recv: s.alloc_zeros(n(peers * slab_bytes(rows, slots[rank], wire)))?,
+            send: Xfer::new(&comm, ce, n(chunks), s)?,
+            recv: Xfer::new(&comm, ce, n(chunks), s)?,
             x_recv: s.alloc_zeros(n(if cfg.fp8_dispatch { peers * rows * row_bytes } else { 0 }))?,
             y_self: s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
-            y_recv: s.alloc_zeros(n(peers * rows * row_bytes))?,
-            y_back: s.alloc_zeros(n(peers * rows * row_bytes))?,
+            y_recv: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
+            y_back: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
             err: s.alloc_zeros(2)?,
         };
+        if ce
+            && ![&bufs.send, &bufs.recv, &bufs.y_recv, &bufs.y_back]
+                .iter()
+                .all(|x| matches!(x, Xfer::Window(w) if w.registered()))
+        {
+            tracing::info!(rank, "NCCL registered no symmetric windows: the transfers run on NCCL's kernels");
+        }
         let ctx = device.context();
         let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
         let events = Events { packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
@@ -261,6 +299,14 @@ impl EpLayer {
     /// This rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+    /// Whether the transfers can run on the copy engines: [`EpConfig::copy_engines`] asked, and
+    /// NCCL registered every transfer buffer as a symmetric window (it does not without direct
+    /// peer access, or with `NCCL_WIN_ENABLE=0`). Within a node NCCL then moves them with the copy
+    /// engines; across nodes, with its kernels.
+    pub fn copy_engines(&self) -> bool {
+        let b = &self.bufs;
+        [&b.send, &b.recv, &b.y_recv, &b.y_back].iter().all(|x| matches!(x, Xfer::Window(w) if w.registered()))
     }
 
     /// Run the kernels of a step on `stream` (a stream of the layer's device) from now on.
@@ -359,7 +405,7 @@ impl EpLayer {
             pos: ptr(&b.pos, s),
             self_ids: ptr(&b.self_ids, s),
             self_weights: ptr(&b.self_weights, s),
-            send: ptr(&b.send, s),
+            send: b.send.ptr(s),
             err: ptr(&b.err, s),
             m: m as i32,
             rows: rows as i32,
@@ -380,40 +426,41 @@ impl EpLayer {
             let pack = EpPackParams {
                 x: x.ptr(),
                 pos: ptr(&b.pos, s),
-                slots: ptr(&b.slots, s),
-                send: ptr(&b.send, s),
+                send: b.send.ptr(s),
                 m: m as i32,
                 rows: rows as i32,
                 rank: rank as i32,
                 ranks: ranks as i32,
             };
-            // SAFETY: as above; `send` holds ranks - 1 slabs of the slab rows.
+            // SAFETY: as above; `send` holds a chunk per rank of the slab rows.
             unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), true, pack)? };
         }
         self.events.packed.record(s)?;
         self.comm_stream.wait(&self.events.packed)?;
-        let ops = self.dispatch_ops(rows);
-        self.comm.group(&ops, &self.comm_stream)?;
+        let stride = slab_stride(rows, self.spec.top_k() as usize, self.wire_bytes());
+        self.exchange(&self.bufs.send, &self.bufs.recv, stride)?;
         self.events.arrived.record(&self.comm_stream)?;
         self.step = Step { stage: Stage::Sent, m, rows, local_next: 0 };
         Ok(())
     }
 
-    /// To each peer (r + j) its slab j, from each peer (r - j) our region j: one transfer each.
-    fn dispatch_ops(&self, rows: usize) -> Vec<P2p> {
-        let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
-        let (s, b, rb) = (&self.stream, &self.bufs, self.wire_bytes());
-        let mine = slab_bytes(rows, self.slots[rank], rb);
-        let mut ops = Vec::with_capacity(2 * ranks);
-        let mut off = 0;
-        for j in 1..ranks {
-            let (to, from) = ((rank + j) % ranks, (rank + ranks - j) % ranks);
-            let theirs = slab_bytes(rows, self.slots[to], rb);
-            ops.push(P2p::Send { ptr: ptr(&b.send, s) + off as u64, bytes: theirs, peer: to });
-            ops.push(P2p::Recv { ptr: ptr(&b.recv, s) + ((j - 1) * mine) as u64, bytes: mine, peer: from });
-            off += theirs;
+    /// Chunk d of `send` (`bytes` long) to rank d, and rank d's for us into chunk d of `recv`,
+    /// on the NCCL stream: one all-to-all (copy engines, [`EpConfig::copy_engines`]) or a send
+    /// and a receive per peer (NCCL's kernels).
+    fn exchange(&self, send: &Xfer, recv: &Xfer, bytes: usize) -> Result<(), EpError> {
+        if let (Xfer::Window(sw), Xfer::Window(rw)) = (send, recv) {
+            return self.comm.all_to_all(sw, rw, bytes, &self.comm_stream);
         }
-        ops
+        let (rank, ranks, s) = (self.comm.rank(), self.comm.ranks(), &self.stream);
+        let (sp, rp) = (send.ptr(s), recv.ptr(s));
+        let ops: Vec<P2p> = (0..ranks)
+            .filter(|&d| d != rank)
+            .flat_map(|d| {
+                let off = (d * bytes) as u64;
+                [P2p::Send { ptr: sp + off, bytes, peer: d }, P2p::Recv { ptr: rp + off, bytes, peer: d }]
+            })
+            .collect();
+        self.comm.group(&ops, &self.comm_stream)
     }
 
     /// This rank's experts on its own tokens, reading `x` (the step's, again) in place: nothing
@@ -473,12 +520,14 @@ impl EpLayer {
         if self.cfg.fp8_dispatch && peers > 0 {
             let (s, b) = (&self.stream, &self.bufs);
             let p = EpUnpackParams {
-                recv: ptr(&b.recv, s),
+                recv: b.recv.ptr(s),
                 x_recv: ptr(&b.x_recv, s),
                 rows: self.step.rows as i32,
-                slots: self.slots[self.comm.rank()] as i32,
+                rank: self.comm.rank() as i32,
+                ranks: self.comm.ranks() as i32,
             };
-            // SAFETY: recv holds `peers` slabs of the step's rows, x_recv as many act_t rows.
+            // SAFETY: recv holds a chunk per rank of the step's rows, x_recv `peers` slabs of
+            // act_t rows.
             let blocks = (self.step.rows * peers) as u32;
             unsafe { self.kernels.unpack.launch(s, (blocks, EP_ROW_THREADS, 0), false, p)? };
         }
@@ -500,7 +549,9 @@ impl EpLayer {
         let (s, b, rb, wire) = (&self.stream, &self.bufs, self.row_bytes(), self.wire_bytes());
         let (rows, slots) = (self.step.rows, self.slots[self.comm.rank()]);
         let (h, n) = (self.spec.hidden() as usize, rows * slots);
-        let slab = ptr(&b.recv, s) + ((j - 1) * slab_bytes(rows, slots, wire)) as u64;
+        // From rank `from`: chunk `from` of recv; its outputs go back from chunk `from` of y_recv.
+        let from = (self.comm.rank() + self.comm.ranks() - j) % self.comm.ranks();
+        let slab = b.recv.ptr(s) + (from * slab_stride(rows, self.spec.top_k() as usize, wire)) as u64;
         let ids = slab + (rows * wire) as u64;
         let weights = ids + meta_bytes(rows, slots) as u64;
         // fp8 dispatch: the rows moe_ep_unpack turned back into act_t.
@@ -511,7 +562,7 @@ impl EpLayer {
                 DeviceTensor::<T>::from_raw(x, rows * h),
                 DeviceTensor::<i32>::from_raw(ids, n),
                 DeviceTensor::<f32>::from_raw(weights, n),
-                DeviceTensorMut::<T>::from_raw(ptr(&b.y_recv, s) + ((j - 1) * rows * rb) as u64, rows * h),
+                DeviceTensorMut::<T>::from_raw(b.y_recv.ptr(s) + (from * rows * rb) as u64, rows * h),
             )
         };
         self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
@@ -522,18 +573,9 @@ impl EpLayer {
     /// wait).
     pub fn combine_send(&mut self) -> Result<(), EpError> {
         self.expect("combine_send", Stage::Received, "dispatch_recv")?;
-        let (rank, ranks, rows) = (self.comm.rank(), self.comm.ranks(), self.step.rows);
-        let (s, b, rb) = (&self.stream, &self.bufs, self.row_bytes());
-        self.events.computed.record(s)?;
+        self.events.computed.record(&self.stream)?;
         self.comm_stream.wait(&self.events.computed)?;
-        let mut ops = Vec::with_capacity(2 * ranks);
-        for j in 1..ranks {
-            let (to, from) = ((rank + j) % ranks, (rank + ranks - j) % ranks);
-            let off = ((j - 1) * rows * rb) as u64;
-            ops.push(P2p::Send { ptr: ptr(&b.y_recv, s) + off, bytes: rows * rb, peer: from });
-            ops.push(P2p::Recv { ptr: ptr(&b.y_back, s) + off, bytes: rows * rb, peer: to });
-        }
-        self.comm.group(&ops, &self.comm_stream)?;
+        self.exchange(&self.bufs.y_recv, &self.bufs.y_back, self.step.rows * self.row_bytes())?;
         self.events.returned.record(&self.comm_stream)?;
         self.step.stage = Stage::Returning;
         Ok(())
@@ -555,7 +597,7 @@ impl EpLayer {
         s.wait(&self.events.returned)?;
         let p = EpCombineParams {
             y_self: ptr(&b.y_self, s),
-            y_peers: ptr(&b.y_back, s),
+            y_peers: b.y_back.ptr(s),
             pos: ptr(&b.pos, s),
             y: y.ptr(),
             m: m as i32,
@@ -616,10 +658,11 @@ fn wire_row_bytes(spec: &MoeSpec, fp8: bool) -> usize {
     }
 }
 
-/// Bytes of a peer slab, as `templates/ep.cu` lays it out: `rows` activation rows of
-/// `row_bytes` (as they travel), their ids, their weights.
-fn slab_bytes(rows: usize, slots: usize, row_bytes: usize) -> usize {
-    rows * row_bytes + 2 * meta_bytes(rows, slots)
+/// Bytes from one slab to the next in the transfer buffers (`slab_stride` in `templates/ep.cu`):
+/// `rows` activation rows of `row_bytes` (as they travel), their ids, their weights, room for
+/// `top_k` slots a row (a rank's slots are min(top-k, its experts)).
+fn slab_stride(rows: usize, top_k: usize, row_bytes: usize) -> usize {
+    rows * row_bytes + 2 * meta_bytes(rows, top_k)
 }
 
 /// Blocks of the count and place kernels for `m` tokens.
