@@ -108,8 +108,11 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
         .collect()
 }
 
-/// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly) microseconds on
-/// this rank; whether its transfers ran on the copy engines.
+/// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly, the layer's
+/// kernels without its transfers, this rank's experts on
+/// its own tokens alone, on twice as many in one launch, the exchange's own kernels alone)
+/// microseconds on this
+/// rank; whether its transfers ran on the copy engines.
 fn rank(
     r: usize,
     n: usize,
@@ -118,7 +121,7 @@ fn rank(
     tokens: &[usize],
     layer_tokens: &[usize],
     options: EpConfig,
-) -> (Vec<[f64; 5]>, bool) {
+) -> (Vec<[f64; 9]>, bool) {
     let dev = Device::new(r).unwrap();
     let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
@@ -127,7 +130,7 @@ fn rank(
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
     let cfg = EpConfig { max_tokens: max, ..options };
-    let mut layer = EpLayer::new(&dev, comm, *spec, map, w, cfg).unwrap();
+    let mut layer = EpLayer::new(&dev, comm, *spec, map.clone(), w, cfg).unwrap();
     let on_copy_engines = layer.copy_engines();
     let times = tokens
         .iter()
@@ -139,6 +142,26 @@ fn rank(
             // Warm: the first step sets up the NCCL connections.
             layer.forward(&dx, &di, &dw, &mut y).unwrap();
             layer.synchronize().unwrap();
+            // This rank's experts alone on `tokens` tokens of fresh routing: one launch of the local
+            // layer (its own tokens: m; its own and a peer's in one launch: 2m). Before any
+            // capture: `reserve` may move the local layer's buffers.
+            let local_alone = |tokens: usize| {
+                let (x, ids, rw) = random_step(spec, tokens, 0.0, 20 + r as u64);
+                let local_ids: Vec<i32> = ids
+                    .iter()
+                    .map(|&e| if map.owner(e as u32) == r { map.local_index(e as u32) as i32 } else { -1 })
+                    .collect();
+                let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                let (dx, dl, dw) =
+                    (s.clone_htod(&xb).unwrap(), s.clone_htod(&local_ids).unwrap(), s.clone_htod(&rw).unwrap());
+                let mut y2 = s.alloc_zeros::<bf16>(xb.len()).unwrap();
+                layer.local_layer().reserve(tokens).unwrap();
+                let g = capture(&s, || layer.local_layer().forward(&dx, &dl, &dw, &mut y2).unwrap());
+                let t = time(&s, &g);
+                s.synchronize().unwrap();
+                t
+            };
+            let own_only = layer_tokens.contains(&m).then(|| (local_alone(m), local_alone(2 * m)));
             layer.set_exchange_only(true);
             let xt = || moeforge::runtime::DeviceTensor::new(&dx, &s);
             let dispatch = capture(&s, || {
@@ -159,12 +182,29 @@ fn rank(
             let round_trip = capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap());
             layer.set_exchange_only(false);
             let full = layer_tokens.contains(&m).then(|| capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap()));
+            let mut variant = |no_transfers: bool, exchange_only: bool| {
+                layer.set_no_transfers(no_transfers);
+                layer.set_exchange_only(exchange_only);
+                let g = capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap());
+                layer.set_no_transfers(false);
+                layer.set_exchange_only(false);
+                g
+            };
+            let (kernels_only, ep_kernels) = if layer_tokens.contains(&m) {
+                (Some(variant(true, false)), Some(variant(true, true)))
+            } else {
+                (None, None)
+            };
             let mut t = [
                 time(&s, &dispatch),
                 time(&s, &combine),
                 time(&s, &round_trip),
                 full.map_or(0.0, |g| time(&s, &g)),
                 0.0,
+                kernels_only.map_or(0.0, |g| time(&s, &g)),
+                own_only.map_or(0.0, |t| t.0),
+                own_only.map_or(0.0, |t| t.1),
+                ep_kernels.map_or(0.0, |g| time(&s, &g)),
             ];
             if layer_tokens.contains(&m) {
                 // The same step launched from the host each time (no graph): the streams' priorities
@@ -227,7 +267,7 @@ fn main() {
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
-        let per_rank: Vec<(Vec<[f64; 5]>, bool)> = std::thread::scope(|sc| {
+        let per_rank: Vec<(Vec<[f64; 9]>, bool)> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|r| {
                     sc.spawn({
@@ -263,9 +303,20 @@ fn main() {
                 if let Some((one, speedup)) = layer {
                     row["one_gpu_us"] = serde_json::json!((one * 1000.0).round() / 1000.0);
                     row["speedup_vs_1gpu"] = serde_json::json!((speedup * 1000.0).round() / 1000.0);
+                    row["kernels_without_transfers_us"] = serde_json::json!((slowest(5) * 1000.0).round() / 1000.0);
+                    row["own_tokens_only_us"] = serde_json::json!((slowest(6) * 1000.0).round() / 1000.0);
+                    row["twice_the_tokens_in_one_launch_us"] =
+                        serde_json::json!((slowest(7) * 1000.0).round() / 1000.0);
+                    row["exchange_kernels_only_us"] = serde_json::json!((slowest(8) * 1000.0).round() / 1000.0);
                     line += &format!(
-                        "  (one GPU {one:.1} us: {speedup:.2}x the throughput; launched eagerly {:.1} us)",
-                        slowest(4)
+                        "  (one GPU {one:.1} us: {speedup:.2}x the throughput; launched eagerly {:.1} us; without \
+                         transfers {:.1} us; own tokens alone {:.1} us; twice \
+                         as many in one launch {:.1} us; exchange kernels alone {:.1} us)",
+                        slowest(4),
+                        slowest(5),
+                        slowest(6),
+                        slowest(7),
+                        slowest(8)
                     );
                 }
                 println!("{line}");

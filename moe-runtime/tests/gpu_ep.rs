@@ -8,7 +8,7 @@ use half::bf16;
 use moe_codegen::MoeSpec;
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moe_runtime::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use moe_runtime::ep::{Comm, EpConfig, EpError, EpLayer, ExpertMap, UniqueId};
+use moe_runtime::ep::{Comm, EpConfig, EpError, EpLayer, ExpertMap, UniqueId, COPY_ENGINE_MIN_BYTES};
 use moe_runtime::reference::compare;
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::{Device, HostWeights, MoeLayer};
@@ -227,8 +227,11 @@ fn ep_step_replays_from_a_cuda_graph() {
     on_ranks(n, |r, id| {
         let (dev, c) = comm(r, n, id, 60);
         let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
-        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(256)).unwrap();
-        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ r as u64));
+        // Past COPY_ENGINE_MIN_BYTES per peer: the all-to-alls on the copy engines, captured.
+        assert!(2100 * spec.hidden() as usize * 2 >= COPY_ENGINE_MIN_BYTES);
+        let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(2200)).unwrap();
+        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 2100, 0.5, seed ^ r as u64));
+        replays_bit_for_bit(&mut layer, r, &random_step(&spec, 200, 0.5, seed ^ (3 + r) as u64));
     });
     // fp8 dispatch (its unpack kernel in the graph too), on fresh communicators.
     on_ranks(n, |r, id| {

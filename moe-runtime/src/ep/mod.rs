@@ -26,7 +26,7 @@ mod layer;
 mod map;
 
 pub use comm::{Comm, UniqueId};
-pub use layer::{EpConfig, EpLayer};
+pub use layer::{EpConfig, EpLayer, COPY_ENGINE_MIN_BYTES};
 pub use map::ExpertMap;
 
 use crate::error::RuntimeError;
