@@ -243,13 +243,19 @@ impl Comm {
     pub(crate) fn window(&self, bytes: usize, stream: &CudaStream) -> Result<Window, EpError> {
         self.live()?;
         self.ctx.bind_to_thread()?;
+        // Any failure aborts the communicator: earlier windows are then freed (as this call's
+        // caller unwinds) with no live registration left on them.
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         let r = unsafe { sys::ncclMemAlloc(&mut p, bytes) };
         if r != sys::ncclResult_t::ncclSuccess {
+            self.abort();
             return Err(nccl_err("ncclMemAlloc", r));
         }
         let mut w = Window { ptr: p as u64, bytes, win: std::ptr::null_mut() };
-        unsafe { cu::cuMemsetD8Async(w.ptr, 0, bytes, stream.cu_stream()).result()? };
+        if let Err(e) = unsafe { cu::cuMemsetD8Async(w.ptr, 0, bytes, stream.cu_stream()).result() } {
+            self.abort();
+            return Err(e.into());
+        }
         let r = unsafe { sys::ncclCommWindowRegister(self.raw, p, bytes, &mut w.win, WIN_COLL_SYMMETRIC) };
         if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
             self.abort();

@@ -234,34 +234,6 @@ impl EpLayer {
 
         let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
         let wire = wire_row_bytes(&spec, cfg.fp8_dispatch);
-        let chunks = ranks * slab_stride(rows, k, wire);
-        let n = |v: usize| v.max(1);
-        let s = &stream;
-        // Collective: every rank makes the same windows in the same order (the digest above).
-        let ce = cfg.copy_engines;
-        let bufs = Buffers {
-            owner: s.clone_htod(&map.owners_i32())?,
-            local: s.clone_htod(&map.locals_i32())?,
-            slots: s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
-            counts: s.alloc_zeros(n(token_blocks(cfg.max_tokens) * ranks))?,
-            pos: s.alloc_zeros(n(cfg.max_tokens * ranks))?,
-            self_ids: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
-            self_weights: s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
-            send: Xfer::new(&comm, ce, n(chunks), s)?,
-            recv: Xfer::new(&comm, ce, n(chunks), s)?,
-            x_recv: s.alloc_zeros(n(if cfg.fp8_dispatch { peers * rows * row_bytes } else { 0 }))?,
-            y_self: s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
-            y_recv: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
-            y_back: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
-            err: s.alloc_zeros(2)?,
-        };
-        if ce
-            && ![&bufs.send, &bufs.recv, &bufs.y_recv, &bufs.y_back]
-                .iter()
-                .all(|x| matches!(x, Xfer::Window(w) if w.registered()))
-        {
-            tracing::info!(rank, "NCCL registered no symmetric windows: the transfers run on NCCL's kernels");
-        }
         let ctx = device.context();
         let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
         let events = Events { packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
@@ -270,7 +242,53 @@ impl EpLayer {
         let (mut least, mut greatest) = (0i32, 0i32);
         unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest).result()? };
         let comm_stream = ctx.new_stream_with_priority(greatest)?;
+        // The windows last: once one is registered, nothing below fails but a window (which then
+        // aborts the communicator, so that none is freed while NCCL still uses it).
+        let chunks = ranks * slab_stride(rows, k, wire);
+        let n = |v: usize| v.max(1);
+        let s = &stream;
+        let (x_recv, y_self, err) = (
+            s.alloc_zeros(n(if cfg.fp8_dispatch { peers * rows * row_bytes } else { 0 }))?,
+            s.alloc_zeros(n(cfg.max_tokens * row_bytes))?,
+            s.alloc_zeros(2)?,
+        );
+        let (owner, local_ids, slot_counts) = (
+            s.clone_htod(&map.owners_i32())?,
+            s.clone_htod(&map.locals_i32())?,
+            s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
+        );
+        let (counts, pos, self_ids, self_weights) = (
+            s.alloc_zeros(n(token_blocks(cfg.max_tokens) * ranks))?,
+            s.alloc_zeros(n(cfg.max_tokens * ranks))?,
+            s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
+            s.alloc_zeros(n(cfg.max_tokens * slots[rank]))?,
+        );
         stream.synchronize()?;
+        // Collective: every rank makes the same windows in the same order (the digest above).
+        let ce = cfg.copy_engines;
+        let bufs = Buffers {
+            owner,
+            local: local_ids,
+            slots: slot_counts,
+            counts,
+            pos,
+            self_ids,
+            self_weights,
+            send: Xfer::new(&comm, ce, n(chunks), s)?,
+            recv: Xfer::new(&comm, ce, n(chunks), s)?,
+            x_recv,
+            y_self,
+            y_recv: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
+            y_back: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
+            err,
+        };
+        if ce
+            && ![&bufs.send, &bufs.recv, &bufs.y_recv, &bufs.y_back]
+                .iter()
+                .all(|x| matches!(x, Xfer::Window(w) if w.registered()))
+        {
+            tracing::info!(rank, "NCCL registered no symmetric windows: the transfers run on NCCL's kernels");
+        }
         Ok(EpLayer {
             spec,
             map,
