@@ -133,10 +133,12 @@ struct Layout {
                 const int e = expert_at(first1_ord, j);
                 tile_span1[j] = make_int4(first1_of[e], tiles1_of[e], e | (first_of[e] - first1_of[e]) << 16, count_of[e]);
             }
-        // Padding: the last tiles * BM - count rows of each expert, fewer than BM.
-        for (int i = g; i < EXPERTS * BM; i += threads) {
-            const int e = i / BM, r = i % BM;
-            if (r < tiles_of[e] * BM - count_of[e]) sorted_rows[(first_of[e] + tiles_of[e]) * BM - 1 - r] = -1;
+        // Padding: the last tiles * BM - count rows of each expert, fewer than BM; a warp per
+        // expert (threads is whole warps), so that the experts a small step leaves empty cost
+        // a test each.
+        for (int e = g / 32; e < EXPERTS; e += threads / 32) {
+            const int end = (first_of[e] + tiles_of[e]) * BM;
+            for (int i = first_of[e] * BM + count_of[e] + g % 32; i < end; i += 32) sorted_rows[i] = -1;
         }
     }
 };

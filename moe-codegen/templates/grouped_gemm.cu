@@ -147,14 +147,14 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float inv) {
     return make_uint2(packed[0], packed[1]);
 }
 
-// Eight activations at p (16 bytes) as floats.
-__device__ __forceinline__ void load8(const act_t* p, float* v) {
+// Eight activations (16 bytes) as floats.
+__device__ __forceinline__ void unpack8(const uint4& raw, float* v) {
     static_assert(sizeof(act_t) == 2, "8 activations per 16-byte load");
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
     const act_t* e = reinterpret_cast<const act_t*>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
 }
+__device__ __forceinline__ void load8(const act_t* p, float* v) { unpack8(*reinterpret_cast<const uint4*>(p), v); }
 // The e4m3 scale (amax / 448) of the 128 values a half warp holds, 8 per live lane in v; every
 // lane of the warp calls it (the shuffles).
 __device__ __forceinline__ float half_warp_scale(const float* v, bool live) {
@@ -203,7 +203,9 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
     float v[8];
     if constexpr (X_PER_ROW) {
         // The row's 16-byte chunks lane, lane + 32, ..: read for the amax, then again (from L1)
-        // to convert, four loads in flight at a time (the block's 1024 threads have 64 registers).
+        // to convert, four loads in flight at a time (the block's 1024 threads have 64 registers;
+        // the second pass loads its four before it stores any, or the compiler orders each load
+        // after the store before it).
         constexpr int CHUNKS = (HIDDEN / 8 + 31) / 32;
         float amax = 0.f;
 #pragma unroll 4
@@ -218,12 +220,20 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(MOE_FULL_MASK, amax, o));
         const float scale = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / scale;
-#pragma unroll 4
-        for (int j = 0; j < CHUNKS; ++j) {
-            const int c = lane + 32 * j;
-            if (c < HIDDEN / 8) {
-                load8(row + 8 * c, v);
-                *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
+        for (int j0 = 0; j0 < CHUNKS; j0 += 4) {
+            uint4 raw[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = lane + 32 * (j0 + j);
+                if (j0 + j < CHUNKS && c < HIDDEN / 8) raw[j] = *reinterpret_cast<const uint4*>(row + 8 * c);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = lane + 32 * (j0 + j);
+                if (j0 + j < CHUNKS && c < HIDDEN / 8) {
+                    unpack8(raw[j], v);
+                    *reinterpret_cast<uint2*>(q + t * HIDDEN + 8 * c) = pack_e4m3x8(v, inv);
+                }
             }
         }
         if (lane == 0) s[t] = scale;
@@ -923,7 +933,9 @@ moe_gemm2_rows(const __grid_constant__ Gemm2Params params) {
 
 // The gather-reduce combine (deterministic): y[t] = sum over slots s, in slot order and in f32,
 // of topk_weights[t * K + s] * rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns
-// (16-byte loads).
+// (16-byte loads). A group of up to COMBINE_SLOTS slots loads its positions, weights and rows
+// first (row 0 standing in for a skipped slot, not added) so that the loads are in flight
+// together: behind a branch each, the compiler issued them one round trip at a time.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_combine_rows)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
@@ -931,25 +943,39 @@ moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
     static_assert(HIDDEN % 8 == 0 && sizeof(act_t) == 2, "8 columns per 16-byte vector");
     pdl_wait();  // a programmatic dependent of GEMM2
     if (family_skipped(choice, FAMILY_GROUPED)) return;
+    constexpr int COMBINE_SLOTS = TOP_K < 8 ? TOP_K : 8;
     const long n = (long)m * HIDDEN / 8;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const long t = i / (HIDDEN / 8), c = 8 * (i % (HIDDEN / 8));
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int s = 0; s < TOP_K; ++s) {
-            const int pos = pair_pos[t * TOP_K + s];
-            if (pos < 0) continue;
-            const float w = topk_weights[t * TOP_K + s];
-            const uint4 v = *reinterpret_cast<const uint4*>(rows + (long)pos * HIDDEN + c);
-            const act_t* e = reinterpret_cast<const act_t*>(&v);
+        for (int s0 = 0; s0 < TOP_K; s0 += COMBINE_SLOTS) {
+            int pos[COMBINE_SLOTS];
+            float wt[COMBINE_SLOTS];
+            uint4 v[COMBINE_SLOTS];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) sum[j] += w * (float)e[j];
-            if constexpr (HAS_BIAS) {
-                const float* b = w2_bias + (long)topk_ids[t * TOP_K + s] * HIDDEN + c;
-                const float4 b0 = __ldg(reinterpret_cast<const float4*>(b)), b1 = __ldg(reinterpret_cast<const float4*>(b + 4));
-                const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            for (int g = 0; g < COMBINE_SLOTS; ++g) {
+                pos[g] = s0 + g < TOP_K ? pair_pos[t * TOP_K + s0 + g] : -1;
+                wt[g] = s0 + g < TOP_K ? topk_weights[t * TOP_K + s0 + g] : 0.f;
+            }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) sum[j] += w * bv[j];
+            for (int g = 0; g < COMBINE_SLOTS; ++g)
+                v[g] = *reinterpret_cast<const uint4*>(rows + (long)max(pos[g], 0) * HIDDEN + c);
+#pragma unroll
+            for (int g = 0; g < COMBINE_SLOTS; ++g) {
+                const int s = s0 + g;
+                if (pos[g] < 0) continue;
+                const float w = wt[g];
+                const act_t* e = reinterpret_cast<const act_t*>(&v[g]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += w * (float)e[j];
+                if constexpr (HAS_BIAS) {
+                    const float* b = w2_bias + (long)topk_ids[t * TOP_K + s] * HIDDEN + c;
+                    const float4 b0 = __ldg(reinterpret_cast<const float4*>(b)), b1 = __ldg(reinterpret_cast<const float4*>(b + 4));
+                    const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) sum[j] += w * bv[j];
+                }
             }
         }
         act_t out[8];
