@@ -200,6 +200,16 @@ impl Comm {
         }
     }
 
+    /// The result of a non-blocking call: on failure the communicator is aborted, else the call
+    /// is waited on until NCCL has enqueued it.
+    fn issued(&self, call: &'static str, r: sys::ncclResult_t) -> Result<(), EpError> {
+        if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+            self.abort();
+            return Err(nccl_err(call, r));
+        }
+        self.wait(call)
+    }
+
     /// Enqueue `ops` on `stream` as one NCCL group (one kernel for all of them).
     pub(crate) fn group(&self, ops: &[P2p], stream: &CudaStream) -> Result<(), EpError> {
         self.live()?;
@@ -257,11 +267,7 @@ impl Comm {
             return Err(e.into());
         }
         let r = unsafe { sys::ncclCommWindowRegister(self.raw, p, bytes, &mut w.win, WIN_COLL_SYMMETRIC) };
-        if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
-            self.abort();
-            return Err(nccl_err("ncclCommWindowRegister", r));
-        }
-        self.wait("ncclCommWindowRegister")?;
+        self.issued("ncclCommWindowRegister", r)?;
         Ok(w)
     }
 
@@ -289,11 +295,7 @@ impl Comm {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         };
-        if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
-            self.abort();
-            return Err(nccl_err("ncclAlltoAll", r));
-        }
-        self.wait("ncclAlltoAll")
+        self.issued("ncclAlltoAll", r)
     }
 
     /// Every rank's `mine` (the same length on each), in rank order; waits on the host.
@@ -316,11 +318,7 @@ impl Comm {
                     stream.cu_stream() as sys::cudaStream_t,
                 )
             };
-            if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
-                self.abort();
-                return Err(nccl_err("ncclAllGather", r));
-            }
-            self.wait("ncclAllGather")?;
+            self.issued("ncclAllGather", r)?;
         }
         self.synchronize(stream)?;
         Ok(stream.clone_dtoh(&recv)?)
