@@ -181,6 +181,9 @@ kernel_params! {
         tile_span1: u64 = "int4* __restrict__",
         num_tiles: u64 = "int* __restrict__",
         choice: u64 = "const int* __restrict__",
+        // One block (no grid barrier, counts or sync): the GEMMs' two work counters, zeroed
+        // here rather than by a memset before the launch; null otherwise.
+        gemm_counters: u64 = "int* __restrict__",
     }
     /// `moe_quant_mid`: the intermediate to e4m3 with one f32 per 128 along K.
     QuantMidParams {

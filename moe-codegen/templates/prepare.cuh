@@ -16,6 +16,11 @@
 //   xs_token  fp8: x's scales by token (quant_token); X_PER_ROW: each then copied to the rows of
 //             the token's pairs (xs_row), where GEMM1 reads it
 //   xq        fp8: x in e4m3; X_PAIRED: x in act_t, paired (x_pair_col)
+// A step of no more tokens than one block's warps (the host then launches one block and passes
+// gemm_counters) takes no global atomics and no barrier: the block's counts are the totals, its
+// offsets zero, each warp keeps its token's ids and ranks in registers, and the GEMMs' work
+// counters are zeroed here instead of by a memset node before the launch. At a few tokens the
+// step's front is a chain of memory round trips that GEMM1 waits behind.
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
 static_assert(PREPARE_WARPS * EXPERTS * sizeof(float) == HOST_PREPARE_SMEM, "each warp's scores (prepare_smem_bytes)");
 
@@ -43,6 +48,8 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
+    const bool solo = gemm_counters != nullptr;  // one block, a token per warp at most
+    if (solo && threadIdx.x < 2) gemm_counters[threadIdx.x] = 0;
     if (family_skipped(choice, FAMILY_GROUPED)) {
         // No tiles: the GEMMs that follow find no work.
         if (blockIdx.x == 0 && threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
@@ -53,6 +60,7 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     // 1. Each token's choices, their ranks in the block, and x.
     float* scores = reinterpret_cast<float*>(smem) + warp * EXPERTS;
     int bad = 0;
+    int solo_id = -1, solo_rank = -1;  // solo: this lane's pair of the warp's token
     for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
         // x's row heads for L2 while the router works (its loads then wait on L2, not DRAM).
         if ((FP8 || X_PAIRED) && lane == 0)
@@ -64,7 +72,14 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
         else if (lane < TOP_K) id = topk_ids[t * TOP_K + lane];
         if (lane < TOP_K) {
             const bool ok = id >= 0 && id < EXPERTS;
-            pair_pos[t * TOP_K + lane] = ok ? atomicAdd(&block_pairs[id], 1) : -1;
+            const int rank = ok ? atomicAdd(&block_pairs[id], 1) : -1;
+            if (solo) {
+                solo_id = id;
+                solo_rank = rank;
+                if (!ok) pair_pos[t * TOP_K + lane] = -1;
+            } else {
+                pair_pos[t * TOP_K + lane] = rank;
+            }
             bad += !ok;
         }
         if constexpr (FP8) quant_token(x, t, xq, xs_token);
@@ -79,6 +94,20 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     }
     if (bad) atomicAdd(errors, bad);
     __syncthreads();
+    if (solo) {
+        // 2. as below, from this block's counts.
+        layout.build(threadIdx.x < EXPERTS ? block_pairs[threadIdx.x] : 0);
+        layout.write(threadIdx.x, ALIGN_THREADS, sorted_rows, tile_expert, tile_span, tile_span1, num_tiles);
+        const int t = warp;
+        if (t < m && lane < TOP_K && solo_rank >= 0) {
+            const int p = t * TOP_K + lane;
+            const int pos = layout.first_of[solo_id] * BM + solo_rank;
+            sorted_rows[pos] = p;
+            pair_pos[p] = pos;
+            if (X_PER_ROW) xs_row[pos] = xs_token[t];  // this warp's own write (quant_token)
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
         if (block_pairs[e]) block_pairs[e] = atomicAdd(&counts[e], block_pairs[e]);
     grid_barrier(sync, gridDim.x);

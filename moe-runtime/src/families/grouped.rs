@@ -310,15 +310,20 @@ impl GroupedPath {
         );
         // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
         // the blocks that fit at once, no more than the tokens' warps need.
-        stream.memset_zeros(&mut s.work_counters)?;
+        let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
+        let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
+        // A step one block's warps cover (a token each): moe_prepare zeroes the GEMMs' work
+        // counters itself and needs no other (no memset node ahead of it).
+        let solo = m <= (ALIGN_THREADS / 32) as usize && prepare_grid == 1;
+        if !solo {
+            stream.memset_zeros(&mut s.work_counters)?;
+        }
         if !deterministic {
             let mut y32_view = s.out32.slice_mut(0..m * h * 4);
             stream.memset_zeros(&mut y32_view)?;
         }
         let counters = ptr(&s.work_counters, stream);
         let (xq, xs_token, xs_row) = (ptr(&s.xq, stream), ptr(&s.xs_token, stream), ptr(&s.xs_row, stream));
-        let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
-        let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
         let prepare = PrepareParams {
             logits: p.logits,
             bias: p.bias,
@@ -339,6 +344,7 @@ impl GroupedPath {
             tile_span1: span1,
             num_tiles: ntiles,
             choice: p.choice,
+            gemm_counters: if solo { counters } else { 0 },
         };
         // SAFETY (every launch below): the step's pointers were checked against the spec by the
         // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
