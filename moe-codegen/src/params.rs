@@ -224,6 +224,9 @@ kernel_params! {
         out: u64 = "void* __restrict__",
         work_counter: u64 = "int* __restrict__",
         b_map: TmaDesc = "const TmaMap&",
+        // Weights decoded on the warp-specialised pipeline: the intermediate (A, in tile order)
+        // by TMA, in boxes of a k-tile x BM rows.
+        a_map: TmaDesc = "const TmaMap&",
     }
     /// `moe_combine_rows`: the deterministic gather-reduce of pair rows into y.
     CombineRowsParams {

@@ -353,6 +353,17 @@ struct NoDecode {
     __device__ int operator()(const It&, int) const { return 0; }
     __device__ void operator()(int, bool, unsigned, unsigned) const {}
 };
+// a_load of a GEMM whose A rows the producer threads gather (cp.async), or (any other type)
+// a_load(item, kt, stage, bar): thread 0 loads the item's A k-tile by TMA (rows in tile order).
+struct GatherA {};
+template <class T>
+struct IsGatherA {
+    static constexpr bool value = false;
+};
+template <>
+struct IsGatherA<GatherA> {
+    static constexpr bool value = true;
+};
 
 // The packed weights' ring (WS_DECODE) past `bars`: stream position pos's full and free mbarriers
 // and its slot.
@@ -382,11 +393,12 @@ __device__ __forceinline__ unsigned ws_pslot(unsigned bars, int pos) {
 // than holding them in registers the decode needs.
 // Ring header (64 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (the decoding warps).
 template <int BN, int KT, bool KEEP_A, bool EARLY_B, class SI, class Item, class ARow, class BLoad, class BScales,
-          class BDecode>
+          class BDecode, class ALoad>
 __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars, SI* stage_item, volatile int* next_item,
                                                    int work, int* work_counter, Item item, ARow a_row, const char* a_any,
-                                                   BLoad b_load, BScales b_scales, BDecode b_decode) {
+                                                   BLoad b_load, BScales b_scales, BDecode b_decode, ALoad a_load) {
     using S = WsShape<BN, false, 0>;
+    constexpr bool GATHER = IsGatherA<ALoad>::value;
     constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
     static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 64, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
@@ -429,7 +441,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
     bool have_next = w < work;
     if (t == 0 && have_next)
         for (int kt = 0; kt < AHEAD; ++kt) issue(it, kt, kt);
-    if (have_next) put_row(it, 0);
+    if (GATHER && have_next) put_row(it, 0);
     if (EARLY_B) pdl_wait();
     int s = 0;                  // stream position: k-tiles decoded so far (stage s % STAGES)
     int half = 0;               // the row buffer's half that holds the current item's rows
@@ -448,7 +460,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                 have_next = wn < work;
                 if (have_next) {
                     nit = item(wn, 0);
-                    put_row(nit, half ^ 1);
+                    if (GATHER) put_row(nit, half ^ 1);
                 }
             }
             if (t == 0) {
@@ -458,18 +470,33 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             const int st = s % STAGES;
             const unsigned sa = base + st * S::STAGE_BYTES;
             mbar_wait(empty(st), ((s / STAGES) & 1) ^ 1);
-            const uint4 r0 = lds128(my_rows), r1 = lds128(my_rows + 16);
-            const unsigned rows[S::A_ROWS] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-            static_assert(S::A_ROWS == 8, "8 rows a thread");
+            // Which of the tile's 64-row halves hold pairs (the consumer warpgroups that compute).
+            int live_halves;
+            if constexpr (GATHER) {
+                const uint4 r0 = lds128(my_rows), r1 = lds128(my_rows + 16);
+                const unsigned rows[S::A_ROWS] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+                static_assert(S::A_ROWS == 8, "8 rows a thread");
 #pragma unroll
-            for (int j = 0; j < S::A_ROWS; ++j) {
-                // Without the L2 hint: with it, ptxas 13.0 built some formats' gathers with a
-                // corrupt address (reads at 0x3000000000 under memcheck, H100; int8 g64).
-                const bool live = rows[j] != ~0u;
-                cp_async16(sa + swz(t / 8 + 16 * j, c), a_any + (live ? (size_t)rows[j] * 16 + kt * BK_BYTES : 0) + c * 16,
-                           live);
+                for (int j = 0; j < S::A_ROWS; ++j) {
+                    // Without the L2 hint: with it, ptxas 13.0 built some formats' gathers with a
+                    // corrupt address (reads at 0x3000000000 under memcheck, H100; int8 g64).
+                    const bool live = rows[j] != ~0u;
+                    cp_async16(sa + swz(t / 8 + 16 * j, c),
+                               a_any + (live ? (size_t)rows[j] * 16 + kt * BK_BYTES : 0) + c * 16, live);
+                }
+                cp_async_arrive_noinc(full(st));
+                live_halves = (rows[0] != ~0u) | (rows[4] != ~0u) << 1;
+            } else {
+                // One box by TMA (its bytes complete the stage's phase), an arrival from each of
+                // the other threads in place of their copies'.
+                if (t == 0) {
+                    mbar_arrive_expect_tx(full(st), S::A_BYTES);
+                    a_load(it, kt, sa, full(st));
+                } else {
+                    mbar_arrive(full(st));
+                }
+                live_halves = (it.rows > 0) | (it.rows > 64) << 1;
             }
-            cp_async_arrive_noinc(full(st));
             mbar_wait(pfull(s), (s / PACK_RING) & 1);
             // Where the consumers take no share, thread 0 also arrives for their 8 warps.
             const bool all = !wsq_shared<BN>(kt);
@@ -478,7 +505,7 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
             __syncwarp();
             if (t % 32 == 0) mbar_arrive_n(pfree(s), arrivals);
             fence_async_smem();  // the stores reach wgmma's async proxy
-            if (t == 0 && kt == 0) stage_item[st] = SI{(rows[0] != ~0u) | (rows[4] != ~0u) << 1, it};
+            if (t == 0 && kt == 0) stage_item[st] = SI{live_halves, it};
             mbar_arrive_n(full(st), arrivals);
             // The next position's scales, loaded after this stage's fence and arrival: loaded a
             // k-tile ahead, before the decode, they stalled the fence and held registers across the
@@ -499,11 +526,12 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
 
 template <int BN, int KT, bool PROMOTE, bool KEEP_A, bool EARLY_B, int EXT, class Item, class ARow, class BLoad,
           class KScale, class Promote, class Prepare, class Epilogue, class ExtAct, class ExtStore,
-          class BScales = NoDecode, class BDecode = NoDecode, class CScales = NoDecode>
+          class BScales = NoDecode, class BDecode = NoDecode, class CScales = NoDecode, class ALoad = GatherA>
 __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_counter, Item item, ARow a_row,
                                         const char* a_any, BLoad b_load, KScale kscale, Promote promote,
                                         Prepare prepare, Epilogue epilogue, ExtAct ext_act, ExtStore ext_store,
-                                        BScales b_scales = {}, BDecode b_decode = {}, CScales c_scales = {}) {
+                                        BScales b_scales = {}, BDecode b_decode = {}, CScales c_scales = {},
+                                        ALoad a_load = {}) {
     using S = WsShape<BN, PROMOTE, EXT>;
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned bars = base + STAGES * S::STAGE_BYTES;
@@ -546,7 +574,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
         if (threadIdx.x < 128) {
             set_max_regs_dec<PRODUCER_REGS>();
             ws_produce_decoded<BN, KT, KEEP_A, EARLY_B>(base, bars, stage_item, next_item, work, work_counter, item,
-                                                        a_row, a_any, b_load, b_scales, b_decode);
+                                                        a_row, a_any, b_load, b_scales, b_decode, a_load);
             produced = true;
         }
     }

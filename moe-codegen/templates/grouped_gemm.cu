@@ -651,7 +651,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
                                       const int4* __restrict__ tile_span, const int* __restrict__ num_tiles,
                                       const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
-                                      void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map) {
+                                      void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map,
+                                      const TmaMap& a_map) {
     using S = WsShape<BN2>;
     const int lane = threadIdx.x % 32;
     // The layout is moe_prepare's, complete before GEMM1 (this kernel's predecessor) let this one
@@ -757,9 +758,14 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         return wsq_scales<BN2, true, W2M>(w2_scales, [&](int r) { return w2_row(it, r); }, kt, false);
     };
     const WsqDecoder<BN2> b_decode;
+    // mid is in tile order: a k-tile of a tile's rows is one box (padding rows come along, and
+    // reach only outputs that are never stored), so the decoding threads issue no gathers.
+    auto a_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
+        tma_load_2d(dst, a_map, kt * (BK_BYTES / ELEM_BYTES), it.tile * BM, bar);
+    };
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue, NoExt{}, NoExt{}, b_scales,
-                                           b_decode, c_scales);
+                                           b_decode, c_scales, a_load);
 #else
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue,
@@ -912,7 +918,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
 #endif
 
 #if MOE_WS
-#define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2_scales, topk_weights, out, work_counter, b_map
+#define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2_scales, topk_weights, out, work_counter, b_map, a_map
 #else
 #define MOE_GEMM2_ARGS a, a_scales, sorted_rows, tile_expert, tile_span, num_tiles, w2, w2_scales, topk_weights, out
 #endif

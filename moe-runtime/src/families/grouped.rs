@@ -432,6 +432,13 @@ impl GroupedPath {
             out: out32,
             work_counter: counters + 4,
             b_map: w2_map,
+            a_map: if let (true, Some(_)) = (self.tiles.warp_specialized, packed_bits) {
+                // The intermediate in the activation dtype, its rows in tile order.
+                let rows = (max_tiles * self.tiles.bm as usize) as u64;
+                TensorMap::k_major(a2, rows, spec.intermediate() as u64 * 2, 2, self.tiles.bm)?
+            } else {
+                TmaDesc::UNUSED
+            },
         };
         unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(spec), gemm2_params)? };
         unsafe {
