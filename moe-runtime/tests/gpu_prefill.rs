@@ -270,26 +270,28 @@ fn out_of_range_ids_are_counted_and_their_pairs_skipped() {
     let (mut layer, w) = small(&dev, Router::default(), 16, 2);
     let spec = *layer.spec();
     layer.set_validate_routing(false);
-    let m = 40;
-    let (x, mut ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
-    ids[3] = 16;
-    ids[20] = -1;
-    let mut y = poisoned(&layer, m * 256);
-    let (dx, did, dw) = (up(&layer, &bf(&x)), up(&layer, &ids), up(&layer, &rw));
-    layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y).unwrap();
-    assert_eq!(layer.take_routing_errors().unwrap(), 2);
-    let a = layer.last_alignment().unwrap();
-    assert_eq!((a.pair_pos[3], a.pair_pos[20]), (-1, -1), "bad pairs take no row");
-    assert!(!a.sorted_rows.contains(&3) && !a.sorted_rows.contains(&20));
-    // The reference drops the two pairs: any valid id with weight 0.
-    let (mut ref_ids, mut ref_w) = (ids.clone(), rw.clone());
-    for p in [3, 20] {
-        ref_ids[p] = 0;
-        ref_w[p] = 0.0;
+    // 40 tokens: moe_prepare's cooperative path; 12: its one-block path (a token per warp).
+    for m in [40, 12] {
+        let (x, mut ids, rw) = random_step(&spec, m, 0.0, fresh_seed());
+        ids[3] = 16;
+        ids[20] = -1;
+        let mut y = poisoned(&layer, m * 256);
+        let (dx, did, dw) = (up(&layer, &bf(&x)), up(&layer, &ids), up(&layer, &rw));
+        layer.forward_family(KernelFamily::GroupedGemm, &dx, &did, &dw, &mut y).unwrap();
+        assert_eq!(layer.take_routing_errors().unwrap(), 2);
+        let a = layer.last_alignment().unwrap();
+        assert_eq!((a.pair_pos[3], a.pair_pos[20]), (-1, -1), "m={m}: bad pairs take no row");
+        assert!(!a.sorted_rows.contains(&3) && !a.sorted_rows.contains(&20));
+        // The reference drops the two pairs: any valid id with weight 0.
+        let (mut ref_ids, mut ref_w) = (ids.clone(), rw.clone());
+        for p in [3, 20] {
+            ref_ids[p] = 0;
+            ref_w[p] = 0.0;
+        }
+        let (rel, cos) = compare(&down(&layer, &y), &moe_forward(&spec, &w, &x, &ref_ids, &ref_w));
+        println!("m={m}, two ids out of range, skipped: rel_l2={rel:.3e} cos={cos:.8}");
+        assert!(rel <= 5e-3 && cos >= 0.9999, "m={m}: rel_l2={rel:.3e} cos={cos:.8}");
     }
-    let (rel, cos) = compare(&down(&layer, &y), &moe_forward(&spec, &w, &x, &ref_ids, &ref_w));
-    println!("two ids out of range, skipped: rel_l2={rel:.3e} cos={cos:.8}");
-    assert!(rel <= 5e-3 && cos >= 0.9999, "rel_l2={rel:.3e} cos={cos:.8}");
 }
 
 /// Whole layer, grouped family, against the f64 reference on up to 96 sampled tokens.
