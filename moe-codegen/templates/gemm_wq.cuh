@@ -90,7 +90,11 @@ __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, con
 // its empty barrier after the fill that used the stage before. So the copies' bookkeeping is
 // spread over the warps, one in eight stages each; no warp waits for the others except for a
 // stage they have yet to release, and an item's first stages load under the last one's epilogue.
-template <int BN, int KDIM, class M, class WRow, class XRow, class Epi>
+//
+// WStep::at(d): how far weight row r + d lies from row r, for d a multiple of 8 and r < 8, or d a
+// multiple of 32 and r < 32, so that a lane resolves wrow once per fill and reaches its other rows
+// by constant offsets.
+template <int BN, int KDIM, class M, class WStep, class WRow, class XRow, class Epi>
 __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
                                         const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
                                         const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
@@ -130,14 +134,13 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         if (f >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((f / STAGES) & 1) ^ 1);
         const Work it = work_item((int)blockIdx.x + (f / KT) * (int)gridDim.x, nt, tile_span, counts);
         const unsigned sw = base + s * S::STAGE_BYTES, sx = sw + S::W_BYTES;
+        // Lane l copies chunk l % 4 of rows l / 4 + 8 j: one row resolved, the rest at constant
+        // offsets. A half last stage zero-fills its missing vectors (from a valid address).
+        const int ch = lane % 4;
+        const bool in = TAIL == 0 || kt < KT - 1 || ch * W_VEC < TAIL;
+        const unsigned char* src = w + wrow(it, lane / 4) * PITCH + ch * 16 + (in ? kt * 64 : 0);
 #pragma unroll
-        for (int j = 0; j < BN * 4 / 32; ++j) {
-            const int q = lane + 32 * j, ch = q % 4;
-            // A half last stage zero-fills its missing vectors (from a valid address).
-            const bool in = TAIL == 0 || kt < KT - 1 || ch * W_VEC < TAIL;
-            const unsigned char* src = w + wrow(it, q / 4) * PITCH + ch * 16;
-            cp_async16_l2(sw + q * 16, in ? src + kt * 64 : src, in);
-        }
+        for (int j = 0; j < BN * 4 / 32; ++j) cp_async16_l2(sw + (lane + 32 * j) * 16, src + WStep::at(8 * j) * PITCH, in);
         for (int q = lane; q < it.rows * XCH; q += 32) {
             const int r = q / XCH, ch = q % XCH;
             const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
@@ -147,10 +150,11 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         // The scale lines of the stage's rows, brought into L2 as far ahead as the weights (the
         // registers below take the scales one stage ahead).
         if constexpr (W_GROUP_SCALED) {
+            const long r0 = wrow(it, lane);
 #pragma unroll
             for (int j = 0; j < BN / 32; ++j)
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(
-                    wscale_ptr<M>(scales, wrow(it, lane + 32 * j), min(kt * 4, KDIM / W_VEC - 1))));
+                    wscale_ptr<M>(scales, r0 + WStep::at(32 * j), min(kt * 4, KDIM / W_VEC - 1))));
         }
         cp_async_arrive_noinc(bars + 8 * s);
     };
@@ -279,7 +283,12 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 }
         }
     };
-    wq_gemm<BN1, HIDDEN, W13M>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
+    // Rows r and r + d (d a multiple of 8): d / 16 fragments of 8 neurons on, and the other half
+    // (gate or up) for an odd d / 8.
+    struct Step {
+        __device__ static constexpr long at(int d) { return (d / 16) * 8 + (d / 8 % 2) * INTER; }
+    };
+    wq_gemm<BN1, HIDDEN, W13M, Step>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
                                xrow, epi);
 }
 #endif  // entry moe_gemm1
@@ -321,6 +330,11 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                 }
         }
     };
-    wq_gemm<BN2, INTER, W2M>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
+    // Rows r and r + d (d a multiple of 8): d / 16 fragments of 16 outputs on, and the odd one
+    // of a pair for an odd d / 8.
+    struct Step {
+        __device__ static constexpr long at(int d) { return (d / 16) * 16 + d / 8 % 2; }
+    };
+    wq_gemm<BN2, INTER, W2M, Step>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
                              epi);
 }
