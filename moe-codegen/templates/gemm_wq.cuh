@@ -200,6 +200,9 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     };
     for (int f = warp; f < min(AHEAD, fills); f += WARPS) load(f);
     int done = 0;  // fills computed
+    // The stage of fill `done`, its full barrier's phase, and the next fill this warp copies (the
+    // first from AHEAD on that is this warp's, f % WARPS): kept as counters, not divided per stage.
+    int stage = 0, phase = 0, my_fill = warp + WARPS * ((max(AHEAD - warp, 0) + WARPS - 1) / WARPS);
 #pragma unroll 1
     for (int n = 0; n < items; ++n) {
         const Work it = work_item((int)blockIdx.x + n * (int)gridDim.x, nt, tile_span, counts);
@@ -231,14 +234,16 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         Scales cur = scales_at(0), nxt = scales_at(min(1, KT - 1));
 #pragma unroll 1
         for (int kt = 0; kt < KT; ++kt, ++done) {
-            const int f = done + AHEAD;
-            if (f < fills && f % WARPS == warp) load(f);
+            if (done + AHEAD == my_fill) {
+                if (my_fill < fills) load(my_fill);
+                my_fill += WARPS;
+            }
             const Scales later = scales_at(min(kt + 2, KT - 1));
-            const int stage = done % STAGES;
-            mbar_wait(bars + 8 * stage, (done / STAGES) & 1);
+            mbar_wait(bars + 8 * stage, phase);
             if (busy) compute(stage, cur, acc, live);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));
+            if (++stage == STAGES) stage = 0, phase ^= 1;
             cur = nxt;
             nxt = later;
         }
