@@ -129,10 +129,12 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
     __syncthreads();
     // Fill f, by the whole calling warp: its stage freed, then this lane's share of the weight
     // rows' and the live token rows' chunks, then one arrival once they land.
-    auto load = [&](int f) {
+    // cur: the item the warp computes (number cur_n), which most fills belong to: they take it
+    // as it is rather than each waiting on a load of the layout to resolve their own.
+    auto load = [&](int f, int cur_n, const Work& cur) {
         const int s = f % STAGES, kt = f % KT;
         if (f >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((f / STAGES) & 1) ^ 1);
-        const Work it = work_item((int)blockIdx.x + (f / KT) * (int)gridDim.x, nt, tile_span, counts);
+        const Work it = f / KT == cur_n ? cur : work_item((int)blockIdx.x + (f / KT) * (int)gridDim.x, nt, tile_span, counts);
         const unsigned sw = base + s * S::STAGE_BYTES, sx = sw + S::W_BYTES;
         // Lane l copies chunk l % 4 of rows l / 4 + 8 j: one row resolved, the rest at constant
         // offsets. A half last stage zero-fills its missing vectors (from a valid address).
@@ -198,7 +200,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             }
         }
     };
-    for (int f = warp; f < min(AHEAD, fills); f += WARPS) load(f);
+    for (int f = warp; f < min(AHEAD, fills); f += WARPS) load(f, -1, Work{});
     int done = 0;  // fills computed
     // The stage of fill `done`, its full barrier's phase, and the next fill this warp copies (the
     // first from AHEAD on that is this warp's, f % WARPS): kept as counters, not divided per stage.
@@ -235,7 +237,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
 #pragma unroll 1
         for (int kt = 0; kt < KT; ++kt, ++done) {
             if (done + AHEAD == my_fill) {
-                if (my_fill < fills) load(my_fill);
+                if (my_fill < fills) load(my_fill, n, it);
                 my_fill += WARPS;
             }
             const Scales later = scales_at(min(kt + 2, KT - 1));
