@@ -42,6 +42,8 @@ struct EpCu {
     row_threads: u32,
     /// Tokens travel in e4m3 with per-128-column scales ([`render_ep`]'s `fp8`).
     wire_fp8: bool,
+    /// The spec has shared experts: every token has work on its own rank.
+    shared: bool,
 }
 
 /// Render the exchange kernels of `spec` (the whole layer's spec, every expert counted) for
@@ -51,9 +53,6 @@ struct EpCu {
 pub fn render_ep(spec: &MoeSpec, arch: Arch, fp8: bool) -> Result<KernelSource, CodegenError> {
     count_render();
     let unsupported = |what: String| CodegenError::Unsupported { family: KernelFamily::WarpDecode, arch, what };
-    if spec.shared_experts() > 0 {
-        return Err(unsupported("expert parallelism with shared experts (run them on the token's own rank)".into()));
-    }
     if fp8 && spec.hidden() % 128 != 0 {
         return Err(unsupported(format!(
             "fp8 dispatch with hidden = {}: one scale per 128 columns needs a multiple of 128",
@@ -71,18 +70,20 @@ pub fn render_ep(spec: &MoeSpec, arch: Arch, fp8: bool) -> Result<KernelSource, 
         plan_threads: EP_PLAN_THREADS,
         row_threads: EP_ROW_THREADS,
         wire_fp8: fp8,
+        shared: spec.shared_experts() > 0,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
         name: format!(
-            "ep_exchange_h{}_e{}_k{}_{}{}",
+            "ep_exchange_h{}_e{}_k{}_{}{}{}",
             spec.hidden(),
             spec.experts(),
             spec.top_k(),
             spec.act_dtype(),
-            if fp8 { "_fp8" } else { "" }
+            if fp8 { "_fp8" } else { "" },
+            if spec.shared_experts() > 0 { "_sh" } else { "" }
         ),
         source,
         entry_points: [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE]
@@ -115,9 +116,11 @@ mod tests {
     }
 
     #[test]
-    fn shared_experts_are_refused() {
+    fn shared_experts_give_every_token_own_work() {
         let s = MoeSpec::builder(2048, 1408, 60, 4).build().unwrap().with_shared_experts(4, true).unwrap();
-        assert!(matches!(render_ep(&s, Arch::Sm90a, false), Err(CodegenError::Unsupported { .. })));
+        let (k, plain) = (render_ep(&s, Arch::Sm90a, false).unwrap(), render_ep(&s.kernel_spec(), Arch::Sm90a, false));
+        assert!(k.source.contains("constexpr bool SHARED = true;") && k.source.contains("constexpr int TOP_K = 4;"));
+        assert_ne!(k.name, plain.unwrap().name);
     }
 
     #[test]

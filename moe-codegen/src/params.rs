@@ -117,6 +117,7 @@ kernel_params! {
         dst_ids: u64 = "int* __restrict__",
         dst_weights: u64 = "float* __restrict__",
         m: i32 = "int",
+        shared_on: i32 = "int",
     }
     /// `moe_ids_from_i64`: int64 routing ids narrowed to int32 (-1 out of range).
     IdsFromI64Params {

@@ -34,6 +34,9 @@ constexpr long ROW_BYTES = (long)ROW_VECS * 16;
 // scales after the codes, the row padded to 16 bytes; the receiver unpacks it (moe_ep_unpack).
 constexpr bool WIRE_FP8 = {{ wire_fp8 }};
 static_assert(!WIRE_FP8 || HIDDEN % 128 == 0, "fp8 dispatch: whole 128-column scale blocks");
+// The layer has shared experts, which run on the token's own rank: every token then has an
+// own-experts row (its output read by moe_ep_combine), whether or not a routed expert is here.
+constexpr bool SHARED = {{ shared }};
 constexpr long WIRE_ROW_BYTES = WIRE_FP8 ? (HIDDEN + HIDDEN / 32 + 15) / 16 * 16 : ROW_BYTES;
 
 // A peer slab, one NCCL transfer: `rows` activation rows (as they travel), then the rows' local
@@ -199,8 +202,9 @@ moe_ep_place(const __grid_constant__ EpPlaceParams params) {
         if (t >= m) continue;
         const int p = (rank + j) % ranks;
         if (j == 0) {
-            // Own experts: every token gets a row (x is read in place), -1 where none is here.
-            pos[(long)t * ranks] = goes ? t : -1;
+            // Own experts: every token gets a row (x is read in place), -1 where none is here
+            // (with shared experts there always is).
+            pos[(long)t * ranks] = goes || SHARED ? t : -1;
             const int over = write_row(r.e, r.o, r.w, local, p, slab_slots[0], self_ids + (long)t * slab_slots[0],
                                        self_weights + (long)t * slab_slots[0]);
             if (over) atomicAdd(err, over);

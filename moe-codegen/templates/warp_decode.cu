@@ -805,7 +805,7 @@ moe_expand_routing(const __grid_constant__ ExpandParams params) {
         dst_weights[(long)t * TOP_K + s] = weights_in[(long)t * R_TOP_K + s];
     }
     float w = 1.0f;
-    if constexpr (SHARED_GATED) {
+    if (SHARED_GATED && shared_on) {
         static_assert(HIDDEN % 8 == 0, "8 activations per 16-byte load");
         const uint4* xt = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
         float dot = 0.0f;
@@ -818,9 +818,11 @@ moe_expand_routing(const __grid_constant__ ExpandParams params) {
         dot = warp_sum(dot);
         w = 1.0f / (1.0f + __expf(-dot));
     }
+    // shared_on = 0: the shared slots stay empty (an expert-parallel rank's experts on a peer's
+    // tokens, whose shared experts run on their own rank).
     for (int j = lane; j < SHARED; j += 32) {
-        dst_ids[(long)t * TOP_K + R_TOP_K + j] = R_EXPERTS + j;
-        dst_weights[(long)t * TOP_K + R_TOP_K + j] = w;
+        dst_ids[(long)t * TOP_K + R_TOP_K + j] = shared_on ? R_EXPERTS + j : -1;
+        dst_weights[(long)t * TOP_K + R_TOP_K + j] = shared_on ? w : 0.0f;
     }
 }
 #endif  // entry moe_expand_routing

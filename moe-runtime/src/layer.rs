@@ -505,7 +505,7 @@ impl MoeLayer {
     ) -> Result<()> {
         let s = &self.stream;
         let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s))
+        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s), true)
     }
 
     /// [`MoeLayer::forward`] with the family named.
@@ -519,7 +519,7 @@ impl MoeLayer {
     ) -> Result<()> {
         let s = &self.stream;
         let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s))
+        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s), true)
     }
 
     /// [`MoeLayer::forward`] on memory and a stream the caller owns: `x [M, H]` and `y [M, H]` in
@@ -536,7 +536,7 @@ impl MoeLayer {
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
     ) -> Result<()> {
-        self.step(stream, None, x, topk_ids, topk_weights, y)
+        self.step(stream, None, x, topk_ids, topk_weights, y, true)
     }
 
     /// [`MoeLayer::forward_on`] with the family named.
@@ -549,9 +549,10 @@ impl MoeLayer {
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
     ) -> Result<()> {
-        self.step(stream, Some(family), x, topk_ids, topk_weights, y)
+        self.step(stream, Some(family), x, topk_ids, topk_weights, y, true)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn step<T: ActElem>(
         &self,
         stream: &Arc<CudaStream>,
@@ -560,6 +561,7 @@ impl MoeLayer {
         topk_ids: TopkIds<'_>,
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
+        shared: bool,
     ) -> Result<()> {
         if stream.context().cu_ctx() != self.stream.context().cu_ctx() {
             return Err(RuntimeError::Shape {
@@ -594,21 +596,39 @@ impl MoeLayer {
             validate_ids(&host, self.spec.experts())?;
         }
         let family = family.or_else(|| self.family_for(m));
-        let (ids, weights) = self.with_shared(stream, m, (ids, topk_weights.ptr()), x.ptr())?;
+        let (ids, weights) = self.widen(stream, m, (ids, topk_weights.ptr()), x.ptr(), shared)?;
         let p = self.step_ptrs(x.ptr(), ids, weights, y.ptr());
         self.launch_family(stream, family, m, &p)
     }
 
+    /// [`MoeLayer::forward_on`] without the shared experts (their slots empty): an
+    /// expert-parallel rank's experts on a peer's tokens, whose shared experts run on their own
+    /// rank.
+    pub(crate) fn forward_routed_on<T: ActElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: DeviceTensor<'_, T>,
+        topk_ids: TopkIds<'_>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: DeviceTensorMut<'_, T>,
+    ) -> Result<()> {
+        self.step(stream, None, x, topk_ids, topk_weights, y, false)
+    }
+
     /// The routing the kernels read: `(ids, weights)` `[m, k]` themselves, or with shared
-    /// experts widened on `stream` into the layer's `[m, k + S]` scratch.
+    /// experts widened on `stream` into the layer's `[m, k + S]` scratch (their slots empty
+    /// where `shared` is off).
     fn with_shared(&self, stream: &CudaStream, m: usize, routing: (u64, u64), x: u64) -> Result<(u64, u64)> {
+        self.widen(stream, m, routing, x, true)
+    }
+    fn widen(&self, stream: &CudaStream, m: usize, routing: (u64, u64), x: u64, shared: bool) -> Result<(u64, u64)> {
         if self.spec.shared_experts() == 0 {
             return Ok(routing);
         }
         let n = m * self.kspec.top_k() as usize;
         let dst = (self.grow(&self.ids_ext, stream, n)?, self.grow(&self.weights_ext, stream, n)?);
         let gate = self.shared_gate.as_ref().map_or(0, |g| ptr(g, &self.stream));
-        self.decode.expand(stream, m, routing, x, gate, dst)?;
+        self.decode.expand(stream, m, routing, x, gate, dst, shared)?;
         Ok(dst)
     }
 

@@ -75,25 +75,23 @@ impl HostWeights {
 
 impl HostWeights {
     /// The weights of `experts` only (routed experts of `spec`, in the order given), as a layer of
-    /// `experts.len()` experts holds them: what one rank of an expert-parallel layer loads.
+    /// `experts.len()` experts holds them: what one rank of an expert-parallel layer loads. The
+    /// spec's shared experts (every rank holds them) follow the selected ones, with their gate.
     pub fn select_experts(&self, spec: &MoeSpec, experts: &[u32]) -> Result<HostWeights> {
         self.validate(spec)?;
-        let n = spec.experts() as usize;
-        if spec.shared_experts() > 0 {
-            return Err(RuntimeError::Shape {
-                what: "spec",
-                expected: "no shared experts (select routed experts only)".into(),
-                got: format!("{} shared experts", spec.shared_experts()),
-            });
-        }
-        if let Some(&e) = experts.iter().find(|&&e| e as usize >= n) {
+        let routed = spec.experts() as usize;
+        if let Some(&e) = experts.iter().find(|&&e| e as usize >= routed) {
             return Err(RuntimeError::ExpertIdOutOfRange {
                 count: 1,
-                experts: n as u32,
+                experts: routed as u32,
                 first_pair: 0,
                 first_id: e as i32,
             });
         }
+        let shared = spec.shared_experts();
+        let experts: Vec<u32> = experts.iter().copied().chain(routed as u32..routed as u32 + shared).collect();
+        let spec = &spec.kernel_spec();
+        let n = spec.experts() as usize;
         let (h, i, f) = (spec.hidden() as usize, spec.intermediate() as usize, spec.weight_format());
         let pick = |v: &[u8], per: usize| -> Vec<u8> {
             experts.iter().flat_map(|&e| &v[e as usize * per..(e as usize + 1) * per]).copied().collect()
@@ -135,7 +133,7 @@ impl HostWeights {
             w2_scales: scales(&self.w2_scales, h, i),
             w13_bias: pick_f32(&self.w13_bias, 2 * i),
             w2_bias: pick_f32(&self.w2_bias, h),
-            shared_gate: Vec::new(),
+            shared_gate: self.shared_gate.clone(),
         })
     }
 }

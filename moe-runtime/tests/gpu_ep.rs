@@ -144,6 +144,65 @@ fn ep_layer_matches_the_single_gpu_layer() {
     }
 }
 
+/// Shared experts (plain and gated) run on each token's own rank, a peer's experts leave them out:
+/// the same output as the single-GPU layer on the same weights, a padding token (every slot -1)
+/// included, which gets the shared experts' output there too. Bit-identical run to run.
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn shared_experts_run_on_each_tokens_own_rank() {
+    let n = ranks();
+    let seed = fresh_seed();
+    for (count, gated) in [(1, false), (2, true)] {
+        let spec = qwen3().with_shared_experts(count, gated).unwrap();
+        let w = random_weights(&spec, seed ^ count as u64);
+        let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+        let ms = [1usize, 7, 300];
+        let steps: Vec<Vec<Step>> = ms
+            .iter()
+            .enumerate()
+            .map(|(c, &m)| {
+                (0..n)
+                    .map(|r| {
+                        let mut step = random_step(&spec, m, 0.5, seed ^ (1000 * c + r) as u64);
+                        if m > 1 {
+                            step.1[..8].fill(-1); // token 0 routed nowhere
+                        }
+                        step
+                    })
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<Step> = steps.iter().flatten().cloned().collect();
+        let want = single_gpu(&spec, &w, &flat);
+        let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
+            let (dev, c) = comm(r, n, id, 60);
+            let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+            let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(300)).unwrap();
+            let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
+            layer.take_errors().unwrap();
+            out
+        });
+        for (r, per_case) in got.iter().enumerate() {
+            for (c, (a, b)) in per_case.iter().enumerate() {
+                let m = ms[c];
+                assert_eq!(a, b, "{count} shared (gated {gated}), rank {r} m {m}: two runs differ");
+                let y: Vec<f32> = a.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
+                let reference: Vec<f64> = want[c * n + r].iter().map(|&v| v as f64).collect();
+                let (rel, cos) = compare(&y, &reference);
+                eprintln!(
+                    "{n} ranks, {count} shared (gated {gated}), rank {r}, m {m}: rel L2 {rel:.2e}, cosine {cos:.8}"
+                );
+                assert!(rel <= 5e-3 && cos >= 0.99999, "rank {r} m {m}: rel {rel:.3e} cos {cos}");
+                if m > 1 {
+                    let h = spec.hidden() as usize;
+                    let (r0, w0) = (compare(&y[..h], &reference[..h]), reference[..h].iter().any(|&v| v != 0.0));
+                    assert!(w0 && r0.0 <= 5e-3, "rank {r} m {m}: the padding token's shared output, rel {:.3e}", r0.0);
+                }
+            }
+        }
+    }
+}
+
 /// fp8 dispatch: every token routed to the next rank's experts only, so that all of its output
 /// comes through the e4m3 rows, against the single-GPU layer on x quantized the same way (one
 /// scale per 128 columns, `quant_e4m3`) and rounded back to bf16; then with random routing

@@ -44,5 +44,24 @@ fn biases_follow_their_experts_and_bad_selections_are_refused() {
     assert!(matches!(w.select_experts(&spec, &[4]), Err(RuntimeError::ExpertIdOutOfRange { first_id: 4, .. })));
     let shared = MoeSpec::builder(64, 32, 4, 2).build().unwrap().with_shared_experts(1, false).unwrap();
     let ws = random_weights(&shared, 1);
-    assert!(matches!(ws.select_experts(&shared, &[0]), Err(RuntimeError::Shape { what: "spec", .. })));
+    assert!(matches!(ws.select_experts(&shared, &[4]), Err(RuntimeError::ExpertIdOutOfRange { first_id: 4, .. })));
+}
+
+#[test]
+fn shared_experts_follow_the_selected_ones() {
+    for gated in [false, true] {
+        let whole = MoeSpec::builder(64, 32, 4, 2).build().unwrap().with_shared_experts(2, gated).unwrap();
+        let local = MoeSpec::builder(64, 32, 2, 2).build().unwrap().with_shared_experts(2, gated).unwrap();
+        let w = random_weights(&whole, 5);
+        let sel = w.select_experts(&whole, &[3, 1]).unwrap();
+        sel.validate(&local).unwrap();
+        assert_eq!(sel.shared_gate, w.shared_gate);
+        // Local experts 0, 1 are routed 3, 1; 2 and 3 the shared ones (4 and 5 of the whole layer).
+        for (li, ge) in [(0, 3), (1, 1), (2, 4), (3, 5)] {
+            for r in [0, 31, 63] {
+                assert_eq!(sel.w13_row(&local, li, r), w.w13_row(&whole, ge, r), "gated {gated} w13 e{ge} r{r}");
+            }
+            assert_eq!(sel.w2_row(&local, li, 17), w.w2_row(&whole, ge, 17), "gated {gated} w2 e{ge}");
+        }
+    }
 }

@@ -158,7 +158,8 @@ pub struct EpLayer {
 
 impl EpLayer {
     /// This rank's part of the layer `spec` (every expert counted), experts placed by `map`:
-    /// `weights` holds this rank's experts only, in the map's local order
+    /// `weights` holds this rank's experts only, in the map's local order, then the spec's shared
+    /// experts, which every rank holds and runs on its own tokens
     /// ([`crate::HostWeights::select_experts`] cuts them from a whole layer's). Checks with every
     /// other rank that they built the same layer (spec, map, bounds): [`EpError::Mismatch`] if
     /// not, [`EpError::Timeout`] if a rank never comes.
@@ -171,11 +172,6 @@ impl EpLayer {
         cfg: EpConfig,
     ) -> Result<EpLayer, EpError> {
         let (rank, ranks) = (comm.rank(), comm.ranks());
-        if spec.shared_experts() > 0 {
-            return Err(EpError::Config(
-                "shared experts: run them on the token's own rank (e.g. between the halves) with a dense layer".into(),
-            ));
-        }
         if map.experts() != spec.experts() || map.ranks() != ranks {
             return Err(EpError::Config(format!(
                 "the expert map covers {} experts over {} ranks; the spec has {} experts and the communicator {ranks} ranks",
@@ -208,7 +204,14 @@ impl EpLayer {
         if let Some(d) = spec.dequant() {
             b = b.dequant(d);
         }
-        let local_spec = b.build().map_err(crate::error::RuntimeError::from)?;
+        let mut local_spec = b.build().map_err(crate::error::RuntimeError::from)?;
+        if spec.shared_experts() > 0 {
+            // The shared experts after this rank's routed ones: its own tokens' launch appends
+            // their slots, a peer's slab leaves them empty (MoeLayer::forward_routed_on).
+            local_spec = local_spec
+                .with_shared_experts(spec.shared_experts(), spec.shared_gated())
+                .map_err(crate::error::RuntimeError::from)?;
+        }
         let mut local = MoeLayer::load(device, local_spec, weights)?;
         // Padding rows and experts held elsewhere are ids of -1, which the kernels skip.
         local.set_validate_routing(false);
@@ -603,7 +606,8 @@ impl EpLayer {
                 DeviceTensorMut::<T>::from_raw(b.y_recv.ptr(s) + (from * rows * rb) as u64, rows * h),
             )
         };
-        self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
+        // A peer's tokens: their shared experts run on their own rank.
+        self.local.forward_routed_on(s, x, TopkIds::I32(ids), w, y)?;
         Ok(())
     }
 

@@ -8,18 +8,19 @@
 //!                 token once per peer that owns one of its experts, one NCCL group: to every
 //!                 peer its slab (activations, local expert ids, routing weights), from every
 //!                 peer ours
-//! run_local_experts  this rank's experts on its own tokens (read in place: nothing to send)
+//! run_local_experts  this rank's experts on its own tokens (read in place: nothing to send),
+//!                 with the layer's shared experts, which every rank holds
 //! dispatch_recv   wait for the slabs, run this rank's experts on what arrived
 //! combine_send    one NCCL group: each slab's outputs back to the rank they came from
 //! combine_recv    per token, the partial outputs summed in rank order in fp32
 //! ```
 //!
 //! No call waits on the host; NCCL runs on a stream of its own, joined by events, so a caller
-//! may put other work (attention, shared experts) between the halves, and the whole step
+//! may put other work (attention, say) between the halves, and the whole step
 //! captures into a CUDA graph. Transfers are sized from the step's `m` (each peer's slab holds
 //! `min(m, capacity)` rows), which is why every rank must pass the same `m`: an engine pads its
 //! ranks' batches to a common size, marking padding tokens with ids of -1 (they go nowhere and
-//! get zeros).
+//! get zeros, or the shared experts' output where the layer has them, as on one GPU).
 
 mod comm;
 mod layer;

@@ -203,8 +203,9 @@ impl DecodeFamily {
     }
 
     /// `[m, k]` routing (`ids`, `weights`) widened into `[m, k + S]` at `dst_ids` / `dst_weights`
-    /// with the shared experts' slots (weights from `x` and `gate` where gated), on `stream`
-    /// after the work before it (a plain launch, as `narrow_ids`).
+    /// with the shared experts' slots (weights from `x` and `gate` where gated; with `shared`
+    /// off, empty slots: -1), on `stream` after the work before it (a plain launch, as
+    /// `narrow_ids`).
     #[allow(clippy::too_many_arguments)]
     pub fn expand(
         &self,
@@ -214,10 +215,20 @@ impl DecodeFamily {
         x: u64,
         gate: u64,
         (dst_ids, dst_weights): (u64, u64),
+        shared: bool,
     ) -> Result<()> {
         let threads = moe_codegen::grouped::ROUTE_THREADS;
         let grid = m.div_ceil((threads / 32) as usize) as u32;
-        let p = ExpandParams { ids_in: ids, weights_in: weights, x, gate, dst_ids, dst_weights, m: m as i32 };
+        let p = ExpandParams {
+            ids_in: ids,
+            weights_in: weights,
+            x,
+            gate,
+            dst_ids,
+            dst_weights,
+            m: m as i32,
+            shared_on: shared as i32,
+        };
         unsafe { self.expand.launch(stream, (grid, threads, 0), false, p) }
     }
 
