@@ -5,7 +5,8 @@
 //! slowest rank's median over five batches of replays.
 //!
 //! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
-//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--kernels] [--report FILE]`
+//!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--kernels] [--shared N]
+//!  [--report FILE]`
 
 use half::bf16;
 use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -48,6 +49,8 @@ fn device_weights(s: &Arc<CudaStream>, spec: &MoeSpec, seed: u64) -> DeviceWeigh
         s.synchronize().unwrap();
         d
     };
+    // The shared experts (plain, ungated) after the routed ones.
+    let spec = &spec.kernel_spec();
     let (e, h, i) = (spec.experts() as usize, spec.hidden() as usize, spec.intermediate() as usize);
     DeviceWeights {
         w13: fill(e * 2 * i * h),
@@ -126,7 +129,10 @@ fn rank(
     let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
     let s = dev.stream().clone();
-    let local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
+    let mut local = MoeSpec::builder(spec.hidden(), spec.intermediate(), map.count(r), spec.top_k()).build().unwrap();
+    if spec.shared_experts() > 0 {
+        local = local.with_shared_experts(spec.shared_experts(), false).unwrap();
+    }
     let w = device_weights(&s, &local, 2 + r as u64);
     let max = *tokens.iter().max().unwrap();
     let cfg = EpConfig { max_tokens: max, ..options };
@@ -243,6 +249,8 @@ fn main() {
     let copy_engines = !args.iter().any(|a| a == "--kernels");
     // Every option but the bound, which each geometry's rank sets from its token counts.
     let options = EpConfig { fp8_dispatch, copy_engines, ..EpConfig::new(1) };
+    // `--shared N`: the layer with N shared experts (weight 1), every rank holding them.
+    let shared: u32 = list(&args, "--shared").and_then(|v: Vec<u32>| v.first().copied()).unwrap_or(0);
     // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
     let mut nccl_env: Vec<String> =
         std::env::vars().filter(|(k, _)| k.starts_with("NCCL_")).map(|(k, v)| format!("{k}={v}")).collect();
@@ -257,7 +265,10 @@ fn main() {
         if !geos.iter().any(|g| g == geo) {
             continue;
         }
-        let spec = MoeSpec::builder(h, i, e, k).build().unwrap();
+        let mut spec = MoeSpec::builder(h, i, e, k).build().unwrap();
+        if shared > 0 {
+            spec = spec.with_shared_experts(shared, false).unwrap();
+        }
         let single = if layer_tokens.is_empty() { Vec::new() } else { one_gpu(&spec, &layer_tokens) };
         let id = UniqueId::new().unwrap();
         let all: Vec<usize> = tokens
@@ -296,7 +307,7 @@ fn main() {
                     "kind": kind, "geometry": geo, "format": "bf16", "tokens_per_rank": m, "ranks": n,
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
                     "nccl_env": nccl_env, "dispatch_dtype": if fp8_dispatch { "e4m3" } else { "bf16" },
-                    "transport": transport,
+                    "transport": transport, "shared_experts": shared,
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n} {transport}: {us:9.1} us");
