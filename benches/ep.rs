@@ -112,10 +112,10 @@ fn one_gpu(spec: &MoeSpec, tokens: &[usize]) -> Vec<f64> {
 }
 
 /// Per token count: (dispatch, combine, round trip, layer, layer launched eagerly, the layer's
-/// kernels without its transfers, this rank's experts on
-/// its own tokens alone, on twice as many in one launch, the exchange's own kernels alone)
-/// microseconds on this
-/// rank; whether its transfers ran on the copy engines.
+/// kernels without its transfers, this rank's experts on its own tokens alone, on twice as many
+/// in one launch, the exchange's own kernels alone, the step's kernels without transfers with only
+/// the own tokens' experts, with only the received slabs') microseconds on this rank; whether its
+/// transfers ran on the copy engines.
 fn rank(
     r: usize,
     n: usize,
@@ -124,7 +124,7 @@ fn rank(
     tokens: &[usize],
     layer_tokens: &[usize],
     options: EpConfig,
-) -> (Vec<[f64; 9]>, bool) {
+) -> (Vec<[f64; 11]>, bool) {
     let dev = Device::new(r).unwrap();
     let comm = Comm::new(&dev, r, n, id, Duration::from_secs(120)).unwrap();
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
@@ -201,6 +201,17 @@ fn rank(
             } else {
                 (None, None)
             };
+            // The step's kernels without transfers, with only the own tokens' experts, then only the
+            // received slabs'.
+            let mut one_side = |own: bool| {
+                layer.set_no_transfers(true);
+                layer.set_skip_experts(!own, own);
+                let g = capture(&s, || layer.forward(&dx, &di, &dw, &mut y).unwrap());
+                layer.set_no_transfers(false);
+                layer.set_skip_experts(false, false);
+                g
+            };
+            let sides = layer_tokens.contains(&m).then(|| (one_side(true), one_side(false)));
             let mut t = [
                 time(&s, &dispatch),
                 time(&s, &combine),
@@ -211,6 +222,8 @@ fn rank(
                 own_only.map_or(0.0, |t| t.0),
                 own_only.map_or(0.0, |t| t.1),
                 ep_kernels.map_or(0.0, |g| time(&s, &g)),
+                sides.as_ref().map_or(0.0, |g| time(&s, &g.0)),
+                sides.as_ref().map_or(0.0, |g| time(&s, &g.1)),
             ];
             if layer_tokens.contains(&m) {
                 // The same step launched from the host each time (no graph): the streams' priorities
@@ -278,7 +291,7 @@ fn main() {
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
-        let per_rank: Vec<(Vec<[f64; 9]>, bool)> = std::thread::scope(|sc| {
+        let per_rank: Vec<(Vec<[f64; 11]>, bool)> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|r| {
                     sc.spawn({
@@ -319,15 +332,22 @@ fn main() {
                     row["twice_the_tokens_in_one_launch_us"] =
                         serde_json::json!((slowest(7) * 1000.0).round() / 1000.0);
                     row["exchange_kernels_only_us"] = serde_json::json!((slowest(8) * 1000.0).round() / 1000.0);
+                    row["without_transfers_own_experts_only_us"] =
+                        serde_json::json!((slowest(9) * 1000.0).round() / 1000.0);
+                    row["without_transfers_received_experts_only_us"] =
+                        serde_json::json!((slowest(10) * 1000.0).round() / 1000.0);
                     line += &format!(
                         "  (one GPU {one:.1} us: {speedup:.2}x the throughput; launched eagerly {:.1} us; without \
                          transfers {:.1} us; own tokens alone {:.1} us; twice \
-                         as many in one launch {:.1} us; exchange kernels alone {:.1} us)",
+                         as many in one launch {:.1} us; exchange kernels alone {:.1} us; without transfers, \
+                         own experts only {:.1} us, received experts only {:.1} us)",
                         slowest(4),
                         slowest(5),
                         slowest(6),
                         slowest(7),
-                        slowest(8)
+                        slowest(8),
+                        slowest(9),
+                        slowest(10)
                     );
                 }
                 println!("{line}");

@@ -152,7 +152,9 @@ pub struct EpLayer {
     bufs: Buffers,
     events: Events,
     step: Step,
-    exchange_only: bool,
+    /// Benches only: run no expert on the own tokens / on the received slabs.
+    skip_own: bool,
+    skip_received: bool,
     no_transfers: bool,
 }
 
@@ -299,7 +301,8 @@ impl EpLayer {
             bufs,
             events,
             step: Step { stage: Stage::Idle, m: 0, rows: 0, local_next: 0 },
-            exchange_only: false,
+            skip_own: false,
+            skip_received: false,
             no_transfers: false,
         };
         if ce && !layer.copy_engines() {
@@ -350,7 +353,13 @@ impl EpLayer {
     /// Benches only: the steps move tokens but run no expert (dispatch and combine timed alone).
     #[doc(hidden)]
     pub fn set_exchange_only(&mut self, on: bool) {
-        self.exchange_only = on;
+        self.set_skip_experts(on, on);
+    }
+    /// Benches only: the steps run no expert on the own tokens (`own`) or on the received slabs
+    /// (`received`), to time each launch in its place.
+    #[doc(hidden)]
+    pub fn set_skip_experts(&mut self, own: bool, received: bool) {
+        (self.skip_own, self.skip_received) = (own, received);
     }
     /// Benches only: the steps run every kernel but start no transfer (the experts' time alone;
     /// received slabs hold whatever the last transfer left).
@@ -524,7 +533,7 @@ impl EpLayer {
         if upto <= lo {
             return Ok(());
         }
-        if !self.exchange_only {
+        if !self.skip_own {
             match self.spec.act_dtype() {
                 ActDtype::Bf16 => self.run_local_rows::<half::bf16>(x, lo, upto)?,
                 ActDtype::Fp16 => self.run_local_rows::<half::f16>(x, lo, upto)?,
@@ -572,7 +581,7 @@ impl EpLayer {
             let blocks = (self.step.rows * peers) as u32;
             unsafe { self.kernels.unpack.launch(s, (blocks, EP_ROW_THREADS, 0), false, p)? };
         }
-        if !self.exchange_only {
+        if !self.skip_received {
             // One run per peer's slab (each self-contained: rows, ids, weights).
             for j in 1..self.comm.ranks() {
                 match self.spec.act_dtype() {
