@@ -552,8 +552,11 @@ impl MoeLayer {
         self.step(stream, Some(family), x, topk_ids, topk_weights, y, true)
     }
 
+    /// One step (the family `None`: the layer's choice). `shared` off: the shared experts' slots
+    /// stay empty (an expert-parallel rank's experts on a peer's tokens, whose shared experts run
+    /// on their own rank).
     #[allow(clippy::too_many_arguments)]
-    fn step<T: ActElem>(
+    pub(crate) fn step<T: ActElem>(
         &self,
         stream: &Arc<CudaStream>,
         family: Option<KernelFamily>,
@@ -599,20 +602,6 @@ impl MoeLayer {
         let (ids, weights) = self.widen(stream, m, (ids, topk_weights.ptr()), x.ptr(), shared)?;
         let p = self.step_ptrs(x.ptr(), ids, weights, y.ptr());
         self.launch_family(stream, family, m, &p)
-    }
-
-    /// [`MoeLayer::forward_on`] without the shared experts (their slots empty): an
-    /// expert-parallel rank's experts on a peer's tokens, whose shared experts run on their own
-    /// rank.
-    pub(crate) fn forward_routed_on<T: ActElem>(
-        &self,
-        stream: &Arc<CudaStream>,
-        x: DeviceTensor<'_, T>,
-        topk_ids: TopkIds<'_>,
-        topk_weights: DeviceTensor<'_, f32>,
-        y: DeviceTensorMut<'_, T>,
-    ) -> Result<()> {
-        self.step(stream, None, x, topk_ids, topk_weights, y, false)
     }
 
     /// The routing the kernels read: `(ids, weights)` `[m, k]` themselves, or with shared

@@ -209,7 +209,7 @@ impl EpLayer {
         let mut local_spec = b.build().map_err(crate::error::RuntimeError::from)?;
         if spec.shared_experts() > 0 {
             // The shared experts after this rank's routed ones: its own tokens' launch appends
-            // their slots, a peer's slab leaves them empty (MoeLayer::forward_routed_on).
+            // their slots, a peer's slab leaves them empty (`MoeLayer::step` with `shared` off).
             local_spec = local_spec
                 .with_shared_experts(spec.shared_experts(), spec.shared_gated())
                 .map_err(crate::error::RuntimeError::from)?;
@@ -616,7 +616,7 @@ impl EpLayer {
             )
         };
         // A peer's tokens: their shared experts run on their own rank.
-        self.local.forward_routed_on(s, x, TopkIds::I32(ids), w, y)?;
+        self.local.step(s, None, x, TopkIds::I32(ids), w, y, false)?;
         Ok(())
     }
 
