@@ -26,6 +26,8 @@ pub mod ep_entry {
     pub const UNPACK: &str = "moe_ep_unpack";
     /// Partial outputs summed in rank order.
     pub const COMBINE: &str = "moe_ep_combine";
+    /// Router logits of the whole layer to routing ids and weights (the spec's router).
+    pub const ROUTE: &str = "moe_route";
 }
 
 #[derive(Template)]
@@ -44,6 +46,8 @@ struct EpCu {
     wire_fp8: bool,
     /// The spec has shared experts: every token has work on its own rank.
     shared: bool,
+    /// The whole layer's router (`router.cuh`), for steps from logits.
+    router: crate::router::RouterCtx,
 }
 
 /// Render the exchange kernels of `spec` (the whole layer's spec, every expert counted) for
@@ -71,24 +75,33 @@ pub fn render_ep(spec: &MoeSpec, arch: Arch, fp8: bool) -> Result<KernelSource, 
         row_threads: EP_ROW_THREADS,
         wire_fp8: fp8,
         shared: spec.shared_experts() > 0,
+        router: crate::router::RouterCtx::new(spec),
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
         family: KernelFamily::WarpDecode,
         arch,
         name: format!(
-            "ep_exchange_h{}_e{}_k{}_{}{}{}",
+            "ep_exchange_h{}_e{}_k{}_{}{}{}{}",
             spec.hidden(),
             spec.experts(),
             spec.top_k(),
             spec.act_dtype(),
             if fp8 { "_fp8" } else { "" },
-            if spec.shared_experts() > 0 { "_sh" } else { "" }
+            if spec.shared_experts() > 0 { "_sh" } else { "" },
+            if spec.router() == crate::Router::default() { String::new() } else { format!("_{}", spec.router()) }
         ),
         source,
-        entry_points: [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE]
-            .map(String::from)
-            .to_vec(),
+        entry_points: [
+            ep_entry::COUNT,
+            ep_entry::PLACE,
+            ep_entry::PACK,
+            ep_entry::UNPACK,
+            ep_entry::COMBINE,
+            ep_entry::ROUTE,
+        ]
+        .map(String::from)
+        .to_vec(),
         block_threads: EP_ROW_THREADS,
         decode_tiles: None,
         grouped_tiles: None,

@@ -371,6 +371,7 @@ kernel_params! {
 /// The expert-parallel exchange module's parameter structs.
 pub fn ep_decls() -> String {
     [
+        RouteParams::c_decl(),
         EpCountParams::c_decl(),
         EpPlaceParams::c_decl(),
         EpPackParams::c_decl(),

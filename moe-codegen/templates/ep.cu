@@ -5,7 +5,8 @@
 //                   its routing rows there;
 //   moe_ep_pack     each token's activations into the slabs it goes to;
 //   moe_ep_combine  each token's partial outputs (its own experts', then each peer's) summed in
-//                   rank order in fp32: the same bits whatever the arrival order.
+//                   rank order in fp32: the same bits whatever the arrival order;
+//   moe_route       the whole layer's router (router.cuh), for steps from logits.
 // Slab j (1 <= j < ranks) travels to rank (rank + j) % ranks and, from the receiver's side, holds
 // rows from rank (receiver - j) % ranks; slab 0 is this rank's own experts, which read x in place.
 // The transfer buffers hold one chunk per rank, `slab_stride` apart, chunk d for (or from) rank d:
@@ -327,6 +328,8 @@ moe_ep_unpack(const __grid_constant__ EpUnpackParams params) {
     }
 }
 #endif
+
+{% include "router.cuh" %}
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_combine)
 // Block t sums token t's partials: rank p's, for p = 0, 1, ..., from y_self (this rank) or from

@@ -220,6 +220,103 @@ fn shared_experts_and_quantized_weights_match_the_single_gpu_layer() {
     }
 }
 
+/// Steps from router logits: each rank routes its tokens over the whole layer's experts on the
+/// device (softmax, and DeepSeek-V3's group-limited router with a correction bias), choosing what
+/// the CPU router chooses, and gives the single-GPU layer's `forward_logits` output.
+#[test]
+#[ignore = "needs NVIDIA GPUs"]
+fn routes_from_logits_like_the_single_gpu_layer() {
+    use moe_codegen::Router;
+    use rand::{Rng, SeedableRng};
+    let n = ranks();
+    let seed = fresh_seed();
+    for router in [Router::default(), Router::deepseek_v3()] {
+        let spec = qwen3().with_router(router).unwrap();
+        let e = spec.experts() as usize;
+        let w = random_weights(&spec, seed);
+        let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 77);
+        let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let ms = [5usize, 300];
+        // steps[case][rank]: x, logits.
+        let steps: Vec<Vec<(Vec<f32>, Vec<f32>)>> = ms
+            .iter()
+            .map(|&m| {
+                (0..n)
+                    .map(|_| {
+                        let x = (0..m * QWEN3.0 as usize).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                        (x, (0..m * e).map(|_| rng.random_range(-2.0f32..2.0)).collect())
+                    })
+                    .collect()
+            })
+            .collect();
+        let upload_bf16 = |s: &Arc<CudaStream>, v: &[f32]| {
+            s.clone_htod(&v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>()).unwrap()
+        };
+        // The single-GPU layer from the same logits.
+        let want: Vec<Vec<u16>> = {
+            let dev = Device::new(0).unwrap();
+            let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+            layer.set_router_bias(&bias).unwrap();
+            let s = layer.stream().clone();
+            steps
+                .iter()
+                .flatten()
+                .map(|(x, logits)| {
+                    let (dx, dl) = (upload_bf16(&s, x), s.clone_htod(logits).unwrap());
+                    let mut y = s.clone_htod(&vec![bf16::NAN; x.len()]).unwrap();
+                    layer.forward_logits(&dx, &dl, &mut y).unwrap();
+                    s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect()
+                })
+                .collect()
+        };
+        // got[rank][case]: y's bits and the routing.
+        type Routed = (Vec<u16>, Vec<i32>, Vec<f32>);
+        let got: Vec<Vec<Routed>> = on_ranks(n, |r, id| {
+            let (dev, c) = comm(r, n, id, 60);
+            let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
+            let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(300)).unwrap();
+            layer.set_router_bias(&bias).unwrap();
+            assert!(layer.set_router_bias(&bias[1..]).is_err());
+            let s = layer.stream().clone();
+            // Logits of the wrong shape: a typed error before anything is enqueued.
+            let (dx, dl) = (upload_bf16(&s, &steps[0][r].0), s.clone_htod(&steps[0][r].1[1..]).unwrap());
+            let mut y = s.alloc_zeros::<bf16>(steps[0][r].0.len()).unwrap();
+            let wrong = layer.forward_logits(&dx, &dl, &mut y);
+            assert!(matches!(wrong, Err(EpError::Runtime(_))), "{wrong:?}");
+            let out = steps
+                .iter()
+                .map(|per_rank| {
+                    let (x, logits) = &per_rank[r];
+                    let (dx, dl) = (upload_bf16(&s, x), s.clone_htod(logits).unwrap());
+                    let mut y = s.clone_htod(&vec![bf16::NAN; x.len()]).unwrap();
+                    layer.forward_logits(&dx, &dl, &mut y).unwrap();
+                    let (ids, weights) = layer.last_routing(x.len() / QWEN3.0 as usize).unwrap();
+                    (s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_bits()).collect(), ids, weights)
+                })
+                .collect();
+            layer.take_errors().unwrap();
+            out
+        });
+        for (r, per_case) in got.iter().enumerate() {
+            for (c, (y, ids, weights)) in per_case.iter().enumerate() {
+                let m = ms[c];
+                let (want_ids, want_w) = moe_runtime::reference::route(&spec, &steps[c][r].1, &bias);
+                assert_eq!(*ids, want_ids, "{router}, rank {r} m {m}: the routing");
+                assert!(weights.iter().zip(&want_w).all(|(a, b)| (a - b).abs() <= 1e-5), "{router}, rank {r} m {m}");
+                let yf: Vec<f32> = y.iter().map(|&v| f32::from(bf16::from_bits(v))).collect();
+                let reference: Vec<f64> =
+                    want[c * n + r].iter().map(|&v| f32::from(bf16::from_bits(v)) as f64).collect();
+                let (rel, cos) = compare(&yf, &reference);
+                eprintln!(
+                    "{n} ranks, {router}, rank {r}, m {m} from logits: rel L2 {rel:.2e}, cosine {cos:.8} vs one GPU"
+                );
+                assert!(rel <= 5e-3 && cos >= 0.99999, "{router}, rank {r} m {m}: rel {rel:.3e} cos {cos}");
+            }
+        }
+    }
+}
+
 /// fp8 dispatch: every token routed to the next rank's experts only, so that all of its output
 /// comes through the e4m3 rows, against the single-GPU layer on x quantized the same way (one
 /// scale per 128 columns, `quant_e4m3`) and rounded back to bf16; then with random routing

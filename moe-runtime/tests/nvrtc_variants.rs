@@ -135,7 +135,7 @@ fn warp_specialised_options_compile_for_sm90a() {
 }
 
 /// The expert-parallel exchange module of every reference geometry (bf16 activations, and fp16
-/// on one; with shared experts on one; with fp8 dispatch where the hidden size allows it) compiles for every arch and defines
+/// on one; with shared experts and DeepSeek-V3's router on one; with fp8 dispatch where the hidden size allows it) compiles for every arch and defines
 /// the kernels the host launches.
 #[test]
 fn expert_parallel_exchange_compiles_for_every_arch() {
@@ -144,8 +144,9 @@ fn expert_parallel_exchange_compiles_for_every_arch() {
     let mut specs: Vec<MoeSpec> =
         REFERENCE_GEOMETRIES.iter().map(|&(_, h, i, e, k)| MoeSpec::builder(h, i, e, k).build().unwrap()).collect();
     specs.push(MoeSpec::builder(2048, 768, 128, 8).act_dtype(ActDtype::Fp16).build().unwrap());
-    // Shared experts (DeepSeek-V3's one).
-    specs.push(MoeSpec::builder(7168, 2048, 256, 8).build().unwrap().with_shared_experts(1, false).unwrap());
+    // Shared experts and the group-limited router (DeepSeek-V3's).
+    let deepseek = MoeSpec::builder(7168, 2048, 256, 8).build().unwrap().with_shared_experts(1, false).unwrap();
+    specs.push(deepseek.with_router(moe_codegen::Router::deepseek_v3()).unwrap());
     let items: Vec<_> = specs
         .iter()
         .flat_map(|s| [false, true].map(|fp8| (s, fp8)))

@@ -11,7 +11,7 @@ use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 use moe_codegen::ep::{ep_entry, EP_PLAN_THREADS, EP_ROW_THREADS};
-use moe_codegen::params::{EpCombineParams, EpCountParams, EpPackParams, EpPlaceParams, EpUnpackParams};
+use moe_codegen::params::{EpCombineParams, EpCountParams, EpPackParams, EpPlaceParams, EpUnpackParams, RouteParams};
 use moe_codegen::{render_ep, ActDtype, MoeSpec};
 use std::sync::Arc;
 
@@ -83,6 +83,7 @@ struct Kernels {
     pack: Kernel<EpPackParams>,
     unpack: Kernel<EpUnpackParams>,
     combine: Kernel<EpCombineParams>,
+    route: Kernel<RouteParams>,
 }
 
 /// A buffer the transfers read or write: a symmetric window ([`EpConfig::copy_engines`]) or
@@ -126,6 +127,11 @@ struct Buffers {
     y_recv: Xfer,
     y_back: Xfer,
     err: CudaSlice<i32>,
+    /// Steps from logits: the whole layer's routing `[max_tokens, k]`, and the router's
+    /// per-expert correction bias (zeros until set).
+    routed_ids: CudaSlice<i32>,
+    routed_weights: CudaSlice<f32>,
+    router_bias: CudaSlice<f32>,
 }
 
 /// Events ordering the compute stream and the NCCL stream.
@@ -228,7 +234,8 @@ impl EpLayer {
             )));
         }
         let src = render_ep(&spec, device.arch(), cfg.fp8_dispatch).map_err(crate::error::RuntimeError::from)?;
-        let names = [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE];
+        let names =
+            [ep_entry::COUNT, ep_entry::PLACE, ep_entry::PACK, ep_entry::UNPACK, ep_entry::COMBINE, ep_entry::ROUTE];
         let mut f = device.functions(&src, &names)?.into_iter();
         let kernels = Kernels {
             count: Kernel::new(f.next().unwrap()),
@@ -236,6 +243,7 @@ impl EpLayer {
             pack: Kernel::new(f.next().unwrap()),
             unpack: Kernel::new(f.next().unwrap()),
             combine: Kernel::new(f.next().unwrap()),
+            route: Kernel::new(f.next().unwrap()),
         };
 
         let row_bytes = spec.hidden() as usize * spec.act_dtype().bytes();
@@ -263,6 +271,11 @@ impl EpLayer {
             s.clone_htod(&map.locals_i32())?,
             s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
         );
+        let (routed_ids, routed_weights, router_bias) = (
+            s.alloc_zeros(n(cfg.max_tokens * k))?,
+            s.alloc_zeros(n(cfg.max_tokens * k))?,
+            s.alloc_zeros(n(spec.experts() as usize))?,
+        );
         let (counts, pos, self_ids, self_weights) = (
             s.alloc_zeros(n(token_blocks(cfg.max_tokens) * ranks))?,
             s.alloc_zeros(n(cfg.max_tokens * ranks))?,
@@ -287,6 +300,9 @@ impl EpLayer {
             y_recv: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
             y_back: Xfer::new(&comm, ce, n(ranks * rows * row_bytes), s)?,
             err,
+            routed_ids,
+            routed_weights,
+            router_bias,
         };
         let layer = EpLayer {
             spec,
@@ -394,17 +410,88 @@ impl EpLayer {
         y: &mut CudaSlice<T>,
     ) -> Result<(), EpError> {
         let s = self.stream.clone();
+        self.whole_step(x, DeviceTensor::new(topk_ids, &s), DeviceTensor::new(topk_weights, &s), y)
+    }
+
+    fn whole_step<T: ActElem + 'static>(
+        &mut self,
+        x: &CudaSlice<T>,
+        topk_ids: DeviceTensor<'_, i32>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<(), EpError> {
+        let s = self.stream.clone();
         let xp = DeviceTensor::new(x, &s).ptr();
-        self.dispatch_send(
-            DeviceTensor::new(x, &s),
-            DeviceTensor::new(topk_ids, &s),
-            DeviceTensor::new(topk_weights, &s),
-        )?;
+        self.dispatch_send(DeviceTensor::new(x, &s), topk_ids, topk_weights)?;
         // Own tokens need no transfer: their experts are launched while the transfers fly.
         self.run_local(xp, self.step.m)?;
         self.dispatch_recv()?;
         self.combine_send()?;
         self.combine_recv(DeviceTensorMut::new(y, &s))
+    }
+
+    /// The whole step from router logits `[m, E]` f32 (every expert of the layer), routed on the
+    /// device by the spec's router (`MoeSpec::with_router`; the group-limited one adds the bias
+    /// of [`EpLayer::set_router_bias`]), then [`EpLayer::forward`]. No host synchronisation.
+    pub fn forward_logits<T: ActElem + 'static>(
+        &mut self,
+        x: &CudaSlice<T>,
+        logits: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<(), EpError> {
+        let m = self.check_x::<T>("x", x.len())?;
+        if m > self.cfg.max_tokens {
+            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
+        }
+        let e = self.spec.experts() as usize;
+        if logits.len() != m * e {
+            return Err(shape("router logits", format!("[{m}, {e}]"), format!("{} elements", logits.len())));
+        }
+        let (s, b) = (self.stream.clone(), &self.bufs);
+        let p = RouteParams {
+            logits: ptr(logits, &s),
+            bias: ptr(&b.router_bias, &s),
+            m: m as i32,
+            topk_ids: ptr(&b.routed_ids, &s),
+            topk_weights: ptr(&b.routed_weights, &s),
+        };
+        let threads = moe_codegen::grouped::ROUTE_THREADS;
+        let grid = m.div_ceil((threads / 32) as usize) as u32;
+        // SAFETY: logits hold m rows of E (checked); the routing buffers max_tokens >= m rows of k.
+        unsafe { self.kernels.route.launch(&s, (grid, threads, 0), false, p)? };
+        let n = m * self.spec.top_k() as usize;
+        // SAFETY: the layer's own routing buffers, n elements each (above).
+        let (ids, weights) = unsafe {
+            (
+                DeviceTensor::<i32>::from_raw(ptr(&self.bufs.routed_ids, &s), n),
+                DeviceTensor::<f32>::from_raw(ptr(&self.bufs.routed_weights, &s), n),
+            )
+        };
+        self.whole_step(x, ids, weights, y)
+    }
+
+    /// The group-limited router's per-expert correction bias `[E]` (DeepSeek-V3's
+    /// `e_score_correction_bias`), for [`EpLayer::forward_logits`]; zeros until set.
+    pub fn set_router_bias(&mut self, bias: &[f32]) -> Result<(), EpError> {
+        let e = self.spec.experts() as usize;
+        if bias.len() != e {
+            return Err(shape("router bias", format!("[{e}]"), format!("{} elements", bias.len())));
+        }
+        self.stream.memcpy_htod(bias, &mut self.bufs.router_bias)?;
+        Ok(())
+    }
+
+    /// The routing the last [`EpLayer::forward_logits`] of `m` tokens chose, copied back (waits
+    /// on the host): `(topk_ids, topk_weights)`, each `[m, k]`, ids of the whole layer.
+    pub fn last_routing(&self, m: usize) -> Result<(Vec<i32>, Vec<f32>), EpError> {
+        self.synchronize()?;
+        let n = m * self.spec.top_k() as usize;
+        if m > self.cfg.max_tokens {
+            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
+        }
+        let ids = self.stream.clone_dtoh(&self.bufs.routed_ids)?;
+        let w = self.stream.clone_dtoh(&self.bufs.routed_weights)?;
+        Ok((ids[..n].to_vec(), w[..n].to_vec()))
     }
 
     /// First half of the dispatch: plan the step, pack each token's row for the peers that own
