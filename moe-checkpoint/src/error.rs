@@ -114,6 +114,14 @@ pub enum CheckpointError {
         /// What is missing, and why.
         feature: String,
     },
+    /// An expert asked of [`crate::load_layer_experts`] that the layer does not have.
+    #[error("expert {expert} is out of range: the layer has {experts} routed experts (0..{experts})")]
+    ExpertOutOfRange {
+        /// The expert asked for.
+        expert: u32,
+        /// The layer's routed experts.
+        experts: u32,
+    },
     /// The geometry read from the config makes no valid [`moe_codegen::MoeSpec`].
     #[error("the layer's spec: {0}")]
     Spec(#[from] moe_codegen::SpecError),

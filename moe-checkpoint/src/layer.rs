@@ -66,11 +66,12 @@ fn names(model: ModelKind, layer: usize) -> Names {
     }
 }
 
-/// Read layer `layer` (a MoE layer of a per-expert family: checked by the caller). A shared
-/// expert becomes `n` more experts of the routed intermediate size after the routed ones, `n`
-/// being its intermediate over the routed one (its gate / up rows and down columns cut into
-/// chunks of that size, which sum to its output), computed in the same step.
-pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize) -> Result<LoadedLayer> {
+/// Read layer `layer` (a MoE layer of a per-expert family: checked by the caller), its routed
+/// experts all or `only` those (ids checked by the caller), in that order. A shared expert becomes
+/// `n` more experts of the routed intermediate size after the routed ones, `n` being its
+/// intermediate over the routed one (its gate / up rows and down columns cut into chunks of that
+/// size, which sum to its output), computed in the same step.
+pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize, only: Option<&[u32]>) -> Result<LoadedLayer> {
     let n = names(cfg.model, layer);
     let (h, e, i) = (cfg.hidden as usize, cfg.experts as usize, cfg.intermediate as usize);
     let storage = Storage::detect(cfg.quant, store, &format!("{}.0.{}", n.experts, n.proj[0]), cfg.model.model_type())?;
@@ -88,7 +89,10 @@ pub(crate) fn load(store: &Store, cfg: &ModelConfig, layer: usize) -> Result<Loa
     if let Some((sc, _, count)) = shared {
         spec = spec.with_shared_experts(count, sc.gated)?;
     }
-    let prefixes: Vec<String> = (0..e).map(|x| format!("{}.{x}", n.experts)).collect();
+    let prefixes: Vec<String> = match only {
+        None => (0..e).map(|x| format!("{}.{x}", n.experts)).collect(),
+        Some(ids) => ids.iter().map(|x| format!("{}.{x}", n.experts)).collect(),
+    };
     let mut weights = stack(store, storage, &prefixes, n.proj, h, i)?;
     if let Some((sc, prefix, count)) = shared {
         let si = sc.intermediate as usize;
@@ -165,7 +169,7 @@ fn stack(
     i: usize,
 ) -> Result<HostWeights> {
     let threads = std::thread::available_parallelism().map(|t| t.get()).unwrap_or(1).min(prefixes.len()).max(1);
-    let chunk = prefixes.len().div_ceil(threads);
+    let chunk = prefixes.len().div_ceil(threads).max(1);
     let parts: Vec<Result<Vec<[Proj; 3]>>> = std::thread::scope(|sc| {
         let workers: Vec<_> = prefixes
             .chunks(chunk)

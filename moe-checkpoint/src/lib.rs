@@ -22,6 +22,8 @@
 //! step computes routed and shared experts from the routed routing `[M, k]`.
 //! `docs/checkpoints.md` has the tensor names and everything refused.
 //!
+//! One rank of an expert-parallel layer reads only its own experts ([`load_layer_experts`]).
+//!
 //! Nothing is downloaded: fetching the snapshot is the caller's business.
 
 #![warn(missing_docs)]
@@ -111,6 +113,32 @@ pub fn load_layer(dir: &Path, layer: usize) -> Result<LoadedLayer> {
     let store = store::Store::open(dir)?;
     match cfg.model {
         ModelKind::GptOss => gpt_oss::load(&store, &cfg, layer),
-        _ => layer::load(&store, &cfg, layer),
+        _ => layer::load(&store, &cfg, layer, None),
+    }
+}
+
+/// Layer `layer` with only the routed experts `experts` (in that order) in its weights, then its
+/// shared experts: what one rank of an expert-parallel layer loads
+/// (`EpLayer::new(&device, comm, l.spec, map, &l.weights, cfg)` with
+/// `experts = map.experts_of(rank)`). The spec and the router are the whole layer's; the weights
+/// are what `load_layer(dir, layer)?.weights.select_experts(&spec, experts)` gives, but only the
+/// chosen experts' tensors are read (gpt-oss's fused expert tensors are read whole, then cut).
+pub fn load_layer_experts(dir: &Path, layer: usize, experts: &[u32]) -> Result<LoadedLayer> {
+    let cfg = ModelConfig::read(dir)?;
+    cfg.check_layer(layer)?;
+    if let Some(&expert) = experts.iter().find(|&&e| e >= cfg.experts) {
+        return Err(CheckpointError::ExpertOutOfRange { expert, experts: cfg.experts });
+    }
+    let store = store::Store::open(dir)?;
+    match cfg.model {
+        ModelKind::GptOss => {
+            let mut l = gpt_oss::load(&store, &cfg, layer)?;
+            l.weights = l.weights.select_experts(&l.spec, experts).map_err(|e| CheckpointError::Unsupported {
+                model: cfg.model.model_type().to_string(),
+                feature: format!("selecting experts of this layer ({e})"),
+            })?;
+            Ok(l)
+        }
+        _ => layer::load(&store, &cfg, layer, Some(experts)),
     }
 }

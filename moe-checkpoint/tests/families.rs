@@ -41,6 +41,7 @@ fn check(m: &Model, shards: usize, format: WeightFormat) -> moe_checkpoint::Load
     let rel = rel_l2(&got, &want);
     println!("{:?} {format}: rel_l2 {rel:.2e}", m.kind);
     assert!(rel < 1e-5, "{:?} {format}: rel_l2 {rel:e}", m.kind);
+    check_rank_load(dir.path(), &l);
     l
 }
 

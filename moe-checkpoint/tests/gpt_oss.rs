@@ -48,6 +48,7 @@ fn check(m: &GptOss, shards: usize, format: WeightFormat) -> LoadedLayer {
     let rel = rel_l2(&got, &want);
     println!("gpt-oss {format}: rel_l2 {rel:.2e}");
     assert!(rel <= 1e-5, "gpt-oss {format}: rel_l2 {rel:e}");
+    check_rank_load(dir.path(), &l);
     l
 }
 

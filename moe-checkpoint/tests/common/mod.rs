@@ -84,6 +84,28 @@ impl Ckpt {
     }
 }
 
+/// One expert-parallel rank's load of the layer `l` came from (`dir`, layer `l.layer`): experts
+/// 2 and 0 read alone, the same bytes as cutting them from the whole layer, shared experts
+/// (and their gate) after them; the spec and the router the whole layer's.
+#[allow(dead_code)]
+pub fn check_rank_load(dir: &Path, l: &moe_checkpoint::LoadedLayer) {
+    let pick = [2u32, 0];
+    let part = moe_checkpoint::load_layer_experts(dir, l.layer, &pick).unwrap();
+    let want = l.weights.select_experts(&l.spec, &pick).unwrap();
+    assert_eq!((part.spec, &part.router), (l.spec, &l.router));
+    let w = &part.weights;
+    assert!(w.w13 == want.w13 && w.w13_scales == want.w13_scales, "{:?}: w13", l.model);
+    assert!(w.w2 == want.w2 && w.w2_scales == want.w2_scales, "{:?}: w2", l.model);
+    assert!(w.w13_bias == want.w13_bias && w.w2_bias == want.w2_bias, "{:?}: biases", l.model);
+    assert_eq!(w.shared_gate, want.shared_gate);
+    let experts = l.spec.experts();
+    let bad = moe_checkpoint::load_layer_experts(dir, l.layer, &[0, experts]);
+    assert!(
+        matches!(bad, Err(moe_checkpoint::CheckpointError::ExpertOutOfRange { expert, .. }) if expert == experts),
+        "{bad:?}"
+    );
+}
+
 pub fn rng(seed: u64) -> SmallRng {
     SmallRng::seed_from_u64(seed)
 }
