@@ -439,6 +439,8 @@ impl EpLayer {
         logits: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<(), EpError> {
+        // Everything checked before the router writes the routing buffers.
+        self.expect("forward_logits", Stage::Idle, "the previous step's combine_recv")?;
         let m = self.check_x::<T>("x", x.len())?;
         if m > self.cfg.max_tokens {
             return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
