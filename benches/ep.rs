@@ -6,7 +6,7 @@
 //!
 //! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
 //!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--kernels] [--shared N]
-//!  [--report FILE]`
+//!  [--shared-apart N|none] [--report FILE]`
 
 use half::bf16;
 use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -261,7 +261,14 @@ fn main() {
     // `--kernels`: a send and a receive per peer on NCCL's kernels (EpConfig::copy_engines off).
     let copy_engines = !args.iter().any(|a| a == "--kernels");
     // Every option but the bound, which each geometry's rank sets from its token counts.
-    let options = EpConfig { fp8_dispatch, copy_engines, ..EpConfig::new(1) };
+    // `--shared-apart N|none`: the shared experts in a launch of their own from N tokens
+    // (EpConfig::shared_apart_tokens).
+    let shared_apart_tokens = match args.iter().position(|a| a == "--shared-apart").and_then(|i| args.get(i + 1)) {
+        Some(v) if v == "none" => None,
+        Some(v) => Some(v.parse().unwrap_or_else(|_| panic!("--shared-apart {v}: a token count or none"))),
+        None => EpConfig::new(1).shared_apart_tokens,
+    };
+    let options = EpConfig { fp8_dispatch, copy_engines, shared_apart_tokens, ..EpConfig::new(1) };
     // `--shared N`: the layer with N shared experts (weight 1), every rank holding them.
     let shared: u32 = list(&args, "--shared").and_then(|v: Vec<u32>| v.first().copied()).unwrap_or(0);
     // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
@@ -321,6 +328,7 @@ fn main() {
                     "median_us": (us * 1000.0).round() / 1000.0, "hidden": h, "experts": e, "top_k": k,
                     "nccl_env": nccl_env, "dispatch_dtype": if fp8_dispatch { "e4m3" } else { "bf16" },
                     "transport": transport, "shared_experts": shared,
+                    "shared_apart_tokens": if shared > 0 { serde_json::json!(shared_apart_tokens) } else { serde_json::Value::Null },
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n} {transport}: {us:9.1} us");

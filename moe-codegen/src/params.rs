@@ -358,6 +358,7 @@ kernel_params! {
     /// `moe_ep_combine`: each token's partial outputs, summed in rank order.
     EpCombineParams {
         y_self: u64 = "const uint4* __restrict__",
+        y_self_b: u64 = "const uint4* __restrict__",
         y_peers: u64 = "const uint4* __restrict__",
         pos: u64 = "const int* __restrict__",
         y: u64 = "uint4* __restrict__",
@@ -365,6 +366,7 @@ kernel_params! {
         rows: i32 = "int",
         rank: i32 = "int",
         ranks: i32 = "int",
+        split: i32 = "int",
     }
 }
 

@@ -332,8 +332,9 @@ moe_ep_unpack(const __grid_constant__ EpUnpackParams params) {
 {% include "router.cuh" %}
 
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_ep_combine)
-// Block t sums token t's partials: rank p's, for p = 0, 1, ..., from y_self (this rank) or from
-// the slab rank p returned (y_peers, chunk p of `rows` rows), in fp32, rounded once.
+// Block t sums token t's partials: rank p's, for p = 0, 1, ..., from y_self (this rank: then
+// y_self_b, its shared experts' output, where `split` says they ran apart) or from the slab rank
+// p returned (y_peers, chunk p of `rows` rows), in fp32, rounded once.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 moe_ep_combine(const __grid_constant__ EpCombineParams params) {
     MOE_UNPACK_EpCombineParams(params);
@@ -352,6 +353,12 @@ moe_ep_combine(const __grid_constant__ EpCombineParams params) {
             const act_t* a = reinterpret_cast<const act_t*>(&u);
 #pragma unroll
             for (int i = 0; i < VEC_ELEMS; ++i) acc[i] += act_to_f(a[i]);
+            if (j == 0 && split) {
+                const uint4 u2 = __ldg(y_self_b + (long)t * ROW_VECS + v);
+                const act_t* a2 = reinterpret_cast<const act_t*>(&u2);
+#pragma unroll
+                for (int i = 0; i < VEC_ELEMS; ++i) acc[i] += act_to_f(a2[i]);
+            }
         }
         uint4 out;
         act_t* o = reinterpret_cast<act_t*>(&out);

@@ -144,8 +144,9 @@ fn ep_layer_matches_the_single_gpu_layer() {
     }
 }
 
-/// Shared experts (plain and gated) run on each token's own rank, a peer's experts leave them out;
-/// quantized weights (DeepSeek-V3's 128x128-block fp8 with its shared expert, MXFP4) load and run
+/// Shared experts (plain and gated) run on each token's own rank, with its routed experts or in a
+/// launch of their own after the peers' slabs, and a peer's experts leave them out; quantized
+/// weights (DeepSeek-V3's 128x128-block fp8 with its shared expert, MXFP4) load and run
 /// through the same path. Against the single-GPU layer on the same weights, a padding token (every
 /// slot -1) included, which gets the shared experts' output there too; bit-identical run to run.
 /// Quantized formats get a looser bound: at the same m the single-GPU layer may take another
@@ -155,16 +156,18 @@ fn ep_layer_matches_the_single_gpu_layer() {
 fn shared_experts_and_quantized_weights_match_the_single_gpu_layer() {
     let n = ranks();
     let seed = fresh_seed();
+    // (format, shared experts, gated, bound, shared experts in a launch of their own from this
+    // many tokens: the default's 1024 is past these steps).
     let cases = [
-        (WeightFormat::Bf16, 1, false, 5e-3),
-        (WeightFormat::Bf16, 2, true, 5e-3),
-        (WeightFormat::Fp8E4m3B128, 1, false, 2e-2),
-        (WeightFormat::Mxfp4, 0, false, 1e-2),
+        (WeightFormat::Bf16, 1, false, 5e-3, None),
+        (WeightFormat::Bf16, 2, true, 5e-3, Some(1)),
+        (WeightFormat::Fp8E4m3B128, 1, false, 2e-2, Some(1)),
+        (WeightFormat::Mxfp4, 0, false, 1e-2, None),
     ];
-    for (ci, (format, count, gated, tol)) in cases.into_iter().enumerate() {
+    for (ci, (format, count, gated, tol, apart)) in cases.into_iter().enumerate() {
         let routed = MoeSpec::builder(QWEN3.0, QWEN3.1, QWEN3.2, QWEN3.3).weight_format(format).build().unwrap();
         let spec = if count > 0 { routed.with_shared_experts(count, gated).unwrap() } else { routed };
-        let what = format!("{format}, {count} shared (gated {gated})");
+        let what = format!("{format}, {count} shared (gated {gated}, apart from {apart:?} tokens)");
         let w = random_weights(&spec, seed ^ ci as u64);
         let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
         let ms = [1usize, 7, 300];
@@ -188,7 +191,11 @@ fn shared_experts_and_quantized_weights_match_the_single_gpu_layer() {
         let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
             let (dev, c) = comm(r, n, id, 60);
             let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
-            let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, EpConfig::new(300)).unwrap();
+            let cfg = EpConfig {
+                shared_apart_tokens: apart.or(EpConfig::new(300).shared_apart_tokens),
+                ..EpConfig::new(300)
+            };
+            let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
             let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
             layer.take_errors().unwrap();
             out

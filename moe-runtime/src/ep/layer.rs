@@ -40,13 +40,25 @@ pub struct EpConfig {
     /// and the buffers in ordinary device memory. Across nodes NCCL runs the all-to-all on its
     /// kernels either way.
     pub copy_engines: bool,
+    /// With shared experts: steps of at least this many tokens per rank run them apart, in a
+    /// launch of their own after the peers' slabs, under the combine's transfer (which otherwise
+    /// has nothing to run under), and the rank's routed experts on its own tokens alone under
+    /// the dispatch. Their output is then rounded to the activation dtype apart from the routed
+    /// experts' (one more rounding). `None`: always in one launch with the routed experts.
+    pub shared_apart_tokens: Option<usize>,
 }
 
 impl EpConfig {
     /// Steps of up to `max_tokens` tokens per rank, slabs of the worst case, activations sent
     /// as they are.
     pub fn new(max_tokens: usize) -> EpConfig {
-        EpConfig { max_tokens, capacity: None, fp8_dispatch: false, copy_engines: true }
+        EpConfig {
+            max_tokens,
+            capacity: None,
+            fp8_dispatch: false,
+            copy_engines: true,
+            shared_apart_tokens: Some(SHARED_APART_TOKENS),
+        }
     }
     fn slab_rows(&self) -> usize {
         self.capacity.unwrap_or(self.max_tokens).min(self.max_tokens)
@@ -59,6 +71,9 @@ impl EpConfig {
 /// 4096 tokens per rank, median of three runs each) was 0.7% faster on the copy engines with bf16
 /// dispatch and 2.8% with e4m3.
 pub const COPY_ENGINE_MIN_BYTES: usize = 8 << 20;
+
+/// [`EpConfig::shared_apart_tokens`]'s default.
+pub const SHARED_APART_TOKENS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -73,8 +88,11 @@ struct Step {
     stage: Stage,
     m: usize,
     rows: usize,
-    /// This rank's own tokens its experts have run on: `[0, local_next)`.
-    local_next: usize,
+    /// Launches of this rank's experts on its own tokens: 1, or 2 where the shared experts run
+    /// apart ([`EpConfig::shared_apart_tokens`]).
+    own_parts: usize,
+    /// Those enqueued so far.
+    own_done: usize,
 }
 
 struct Kernels {
@@ -116,6 +134,11 @@ struct Buffers {
     pos: CudaSlice<i32>,
     self_ids: CudaSlice<i32>,
     self_weights: CudaSlice<f32>,
+    /// The shared experts run apart: routing rows naming no routed expert (-1, weight 0), and
+    /// their output.
+    no_ids: CudaSlice<i32>,
+    no_weights: CudaSlice<f32>,
+    y_shared: CudaSlice<u8>,
     /// The peers' slabs (one NCCL transfer each: rows, ids, weights), and ours from them,
     /// `slab_stride` apart.
     send: Xfer,
@@ -271,6 +294,10 @@ impl EpLayer {
             s.clone_htod(&map.locals_i32())?,
             s.clone_htod(&slots.iter().map(|&v| v as i32).collect::<Vec<_>>())?,
         );
+        // The shared experts' own launch's buffers only where a step may take it.
+        let apart = if may_run_shared_apart(&spec, &cfg, ranks) { cfg.max_tokens } else { 0 };
+        let no_ids = s.clone_htod(&vec![-1i32; n(apart * slots[rank])])?;
+        let (no_weights, y_shared) = (s.alloc_zeros(n(apart * slots[rank]))?, s.alloc_zeros(n(apart * row_bytes))?);
         let (routed_ids, routed_weights, router_bias) = (
             s.alloc_zeros(n(cfg.max_tokens * k))?,
             s.alloc_zeros(n(cfg.max_tokens * k))?,
@@ -293,6 +320,9 @@ impl EpLayer {
             pos,
             self_ids,
             self_weights,
+            no_ids,
+            no_weights,
+            y_shared,
             send: Xfer::new(&comm, ce, n(chunks), s)?,
             recv: Xfer::new(&comm, ce, n(chunks), s)?,
             x_recv,
@@ -316,7 +346,7 @@ impl EpLayer {
             kernels,
             bufs,
             events,
-            step: Step { stage: Stage::Idle, m: 0, rows: 0, local_next: 0 },
+            step: Step { stage: Stage::Idle, m: 0, rows: 0, own_parts: 1, own_done: 0 },
             skip_own: false,
             skip_received: false,
             no_transfers: false,
@@ -423,10 +453,14 @@ impl EpLayer {
         let s = self.stream.clone();
         let xp = DeviceTensor::new(x, &s).ptr();
         self.dispatch_send(DeviceTensor::new(x, &s), topk_ids, topk_weights)?;
-        // Own tokens need no transfer: their experts are launched while the transfers fly.
-        self.run_local(xp, self.step.m)?;
+        // Own tokens need no transfer: their experts are launched while the transfers fly (the
+        // shared experts, where they run apart, under the combine's).
+        self.run_own_part(xp)?;
         self.dispatch_recv()?;
         self.combine_send()?;
+        while self.step.own_done < self.step.own_parts {
+            self.run_own_part(xp)?;
+        }
         self.combine_recv(DeviceTensorMut::new(y, &s))
     }
 
@@ -517,6 +551,8 @@ impl EpLayer {
         }
         let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
         let rows = m.min(self.cfg.slab_rows());
+        let apart = may_run_shared_apart(&self.spec, &self.cfg, ranks)
+            && m >= self.cfg.shared_apart_tokens.unwrap_or(usize::MAX);
         let s = &self.stream;
         let b = &self.bufs;
         let blocks = token_blocks(m) as u32;
@@ -573,7 +609,7 @@ impl EpLayer {
         let stride = slab_stride(rows, self.spec.top_k() as usize, self.wire_bytes());
         self.exchange(&self.bufs.send, &self.bufs.recv, stride)?;
         self.events.arrived.record(&self.comm_stream)?;
-        self.step = Step { stage: Stage::Sent, m, rows, local_next: 0 };
+        self.step = Step { stage: Stage::Sent, m, rows, own_parts: if apart { 2 } else { 1 }, own_done: 0 };
         Ok(())
     }
 
@@ -604,7 +640,9 @@ impl EpLayer {
 
     /// This rank's experts on its own tokens, reading `x` (the step's, again) in place: nothing
     /// travels for them, so this may run while the transfers are in flight, anywhere between
-    /// `dispatch_send` and `combine_recv`.
+    /// `dispatch_send` and `combine_recv`. Where the shared experts run apart
+    /// ([`EpConfig::shared_apart_tokens`]), both launches back to back (`forward` puts the second
+    /// under the combine's transfer).
     pub fn run_local_experts<T: ActElem>(&mut self, x: DeviceTensor<'_, T>) -> Result<(), EpError> {
         if !matches!(self.step.stage, Stage::Sent | Stage::Received | Stage::Returning) {
             return Err(EpError::OutOfOrder { call: "run_local_experts", expected: "dispatch_send" });
@@ -613,40 +651,50 @@ impl EpLayer {
         if m != self.step.m {
             return Err(shape("x", format!("the step's {} tokens", self.step.m), format!("{m} tokens")));
         }
-        self.run_local(x.ptr(), m)
+        while self.step.own_done < self.step.own_parts {
+            self.run_own_part(x.ptr())?;
+        }
+        Ok(())
     }
 
-    /// Own tokens `[local_next, upto)` through this rank's experts (x checked by the caller).
-    fn run_local(&mut self, x: u64, upto: usize) -> Result<(), EpError> {
-        let lo = self.step.local_next;
-        if upto <= lo {
+    /// The next launch of this rank's experts on its own tokens (x checked by the caller): the
+    /// routed and shared experts together, or the routed ones, then the shared ones.
+    fn run_own_part(&mut self, x: u64) -> Result<(), EpError> {
+        if self.step.own_done >= self.step.own_parts {
             return Ok(());
         }
         if !self.skip_own {
             match self.spec.act_dtype() {
-                ActDtype::Bf16 => self.run_local_rows::<half::bf16>(x, lo, upto)?,
-                ActDtype::Fp16 => self.run_local_rows::<half::f16>(x, lo, upto)?,
+                ActDtype::Bf16 => self.run_own_rows::<half::bf16>(x)?,
+                ActDtype::Fp16 => self.run_own_rows::<half::f16>(x)?,
             }
         }
-        self.step.local_next = upto;
+        self.step.own_done += 1;
         Ok(())
     }
 
-    fn run_local_rows<T: ActElem + 'static>(&self, x: u64, lo: usize, hi: usize) -> Result<(), EpError> {
+    fn run_own_rows<T: ActElem + 'static>(&self, x: u64) -> Result<(), EpError> {
         let (s, b) = (&self.stream, &self.bufs);
-        let (h, slots) = (self.spec.hidden() as usize, self.slots[self.comm.rank()]);
-        let (rb, n) = (self.row_bytes() as u64, (hi - lo) * slots);
-        let ix = (lo * slots * 4) as u64;
-        // SAFETY: x holds the step's m >= hi tokens (checked); the rest are the layer's buffers.
+        let (h, slots, m) = (self.spec.hidden() as usize, self.slots[self.comm.rank()], self.step.m);
+        let (apart, shared_part) = (self.step.own_parts == 2, self.step.own_done == 1);
+        // The shared experts' own launch: routing rows naming no routed expert.
+        let (ids, w, y) = if shared_part {
+            (ptr(&b.no_ids, s), ptr(&b.no_weights, s), ptr(&b.y_shared, s))
+        } else {
+            (ptr(&b.self_ids, s), ptr(&b.self_weights, s), ptr(&b.y_self, s))
+        };
+        // SAFETY: x holds the step's m tokens (checked); the rest are the layer's buffers, sized
+        // for max_tokens >= m (the shared experts' own launch's where a step may take it).
         let (x, ids, w, y) = unsafe {
             (
-                DeviceTensor::<T>::from_raw(x + lo as u64 * rb, (hi - lo) * h),
-                DeviceTensor::<i32>::from_raw(ptr(&b.self_ids, s) + ix, n),
-                DeviceTensor::<f32>::from_raw(ptr(&b.self_weights, s) + ix, n),
-                DeviceTensorMut::<T>::from_raw(ptr(&b.y_self, s) + lo as u64 * rb, (hi - lo) * h),
+                DeviceTensor::<T>::from_raw(x, m * h),
+                DeviceTensor::<i32>::from_raw(ids, m * slots),
+                DeviceTensor::<f32>::from_raw(w, m * slots),
+                DeviceTensorMut::<T>::from_raw(y, m * h),
             )
         };
-        self.local.forward_on(s, x, TopkIds::I32(ids), w, y)?;
+        // The routed experts' launch leaves the shared experts out where they run apart.
+        self.local.step(s, None, x, TopkIds::I32(ids), w, y, !apart || shared_part)?;
         Ok(())
     }
 
@@ -726,7 +774,7 @@ impl EpLayer {
     /// tokens ([`EpLayer::run_local_experts`]).
     pub fn combine_recv<T: ActElem>(&mut self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
         self.expect("combine_recv", Stage::Returning, "combine_send")?;
-        if self.step.local_next != self.step.m {
+        if self.step.own_done != self.step.own_parts {
             return Err(EpError::OutOfOrder { call: "combine_recv", expected: "run_local_experts" });
         }
         let m = self.check_x::<T>("y", y.len())?;
@@ -737,6 +785,7 @@ impl EpLayer {
         s.wait(&self.events.returned)?;
         let p = EpCombineParams {
             y_self: ptr(&b.y_self, s),
+            y_self_b: ptr(&b.y_shared, s),
             y_peers: b.y_back.ptr(s),
             pos: ptr(&b.pos, s),
             y: y.ptr(),
@@ -744,6 +793,7 @@ impl EpLayer {
             rows: self.step.rows as i32,
             rank: self.comm.rank() as i32,
             ranks: self.comm.ranks() as i32,
+            split: (self.step.own_parts == 2) as i32,
         };
         // SAFETY: y holds m rows (checked); the rest are the layer's buffers.
         unsafe { self.kernels.combine.launch(s, (m as u32, EP_ROW_THREADS, 0), false, p)? };
@@ -780,6 +830,12 @@ impl EpLayer {
         }
         Ok(len / h)
     }
+}
+
+/// Whether a step of this layer may run its shared experts apart: it has some, it is asked for,
+/// and there is a peer whose combine they can run under.
+fn may_run_shared_apart(spec: &MoeSpec, cfg: &EpConfig, ranks: usize) -> bool {
+    spec.shared_experts() > 0 && ranks > 1 && cfg.shared_apart_tokens.is_some_and(|t| t <= cfg.max_tokens)
 }
 
 /// Bytes of a slab's ids (and of its weights): `rows * slots` 4-byte values, 16-byte aligned.

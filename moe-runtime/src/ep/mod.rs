@@ -27,7 +27,7 @@ mod layer;
 mod map;
 
 pub use comm::{Comm, UniqueId};
-pub use layer::{EpConfig, EpLayer, COPY_ENGINE_MIN_BYTES};
+pub use layer::{EpConfig, EpLayer, COPY_ENGINE_MIN_BYTES, SHARED_APART_TOKENS};
 pub use map::ExpertMap;
 
 use crate::error::RuntimeError;
