@@ -474,11 +474,7 @@ impl EpLayer {
         y: &mut CudaSlice<T>,
     ) -> Result<(), EpError> {
         // Everything checked before the router writes the routing buffers.
-        self.expect("forward_logits", Stage::Idle, "the previous step's combine_recv")?;
-        let m = self.check_x::<T>("x", x.len())?;
-        if m > self.cfg.max_tokens {
-            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
-        }
+        let m = self.start_step::<T>("forward_logits", x.len())?;
         let e = self.spec.experts() as usize;
         if logits.len() != m * e {
             return Err(shape("router logits", format!("[{m}, {e}]"), format!("{} elements", logits.len())));
@@ -538,11 +534,7 @@ impl EpLayer {
         topk_ids: DeviceTensor<'_, i32>,
         topk_weights: DeviceTensor<'_, f32>,
     ) -> Result<(), EpError> {
-        self.expect("dispatch_send", Stage::Idle, "the previous step's combine_recv")?;
-        let m = self.check_x::<T>("x", x.len())?;
-        if m > self.cfg.max_tokens {
-            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
-        }
+        let m = self.start_step::<T>("dispatch_send", x.len())?;
         let k = self.spec.top_k() as usize;
         for (what, got) in [("topk_ids", topk_ids.len()), ("topk_weights", topk_weights.len())] {
             if got != m * k {
@@ -818,6 +810,17 @@ impl EpLayer {
             return Err(EpError::Routing { dropped: e[1], invalid: e[0], capacity: self.cfg.slab_rows() });
         }
         Ok(())
+    }
+
+    /// A new step's token count from `x`'s length, checked (the previous step done, whole rows,
+    /// the bound).
+    fn start_step<T: ActElem>(&self, call: &'static str, x_len: usize) -> Result<usize, EpError> {
+        self.expect(call, Stage::Idle, "the previous step's combine_recv")?;
+        let m = self.check_x::<T>("x", x_len)?;
+        if m > self.cfg.max_tokens {
+            return Err(EpError::TooManyTokens { m, max: self.cfg.max_tokens });
+        }
+        Ok(m)
     }
 
     fn check_x<T: ActElem>(&self, what: &'static str, len: usize) -> Result<usize, EpError> {
