@@ -298,6 +298,26 @@ impl Comm {
         self.issued("ncclAlltoAll", r)
     }
 
+    /// Each rank's chunk `rank` of `win` (`bytes` long) to chunk `rank` of every other rank's
+    /// `win`: an in-place all-gather, which between symmetric windows NCCL runs on the copy
+    /// engines within a node.
+    pub(crate) fn all_gather_in_place(&self, win: &Window, bytes: usize, stream: &CudaStream) -> Result<(), EpError> {
+        self.live()?;
+        debug_assert!(bytes * self.ranks <= win.bytes());
+        self.ctx.bind_to_thread()?;
+        let r = unsafe {
+            sys::ncclAllGather(
+                (win.ptr() + (self.rank * bytes) as u64) as _,
+                win.ptr() as _,
+                bytes,
+                sys::ncclDataType_t::ncclUint8,
+                self.raw,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        self.issued("ncclAllGather", r)
+    }
+
     /// Every rank's `mine` (the same length on each), in rank order; waits on the host.
     pub(crate) fn all_gather(&self, mine: &[u8], stream: &Arc<CudaStream>) -> Result<Vec<u8>, EpError> {
         self.live()?;
