@@ -6,7 +6,7 @@
 //!
 //! `cargo bench --bench ep -- [--ranks N] [--geometries qwen3-30b-a3b,deepseek-v3]
 //!  [--tokens 1,8,128,1024,4096] [--layer-tokens 4096] [--fp8-dispatch] [--kernels] [--shared N]
-//!  [--shared-apart N|none] [--report FILE]`
+//!  [--shared-apart N|none] [--split-own N|none] [--report FILE]`
 
 use half::bf16;
 use moeforge::runtime::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -268,7 +268,14 @@ fn main() {
         Some(v) => Some(v.parse().unwrap_or_else(|_| panic!("--shared-apart {v}: a token count or none"))),
         None => EpConfig::new(1).shared_apart_tokens,
     };
-    let options = EpConfig { fp8_dispatch, copy_engines, shared_apart_tokens, ..EpConfig::new(1) };
+    // `--split-own N|none`: the own tokens' launch split around the peers' slabs from N tokens
+    // (EpConfig::split_own_tokens).
+    let split_own_tokens = match args.iter().position(|a| a == "--split-own").and_then(|i| args.get(i + 1)) {
+        Some(v) if v == "none" => None,
+        Some(v) => Some(v.parse().unwrap_or_else(|_| panic!("--split-own {v}: a token count or none"))),
+        None => EpConfig::new(1).split_own_tokens,
+    };
+    let options = EpConfig { fp8_dispatch, copy_engines, shared_apart_tokens, split_own_tokens, ..EpConfig::new(1) };
     // `--shared N`: the layer with N shared experts (weight 1), every rank holding them.
     let shared: u32 = list(&args, "--shared").and_then(|v: Vec<u32>| v.first().copied()).unwrap_or(0);
     // NCCL's environment as this run had it (NCCL_GRAPH_MIXING_SUPPORT changes graph replays).
@@ -329,6 +336,7 @@ fn main() {
                     "nccl_env": nccl_env, "dispatch_dtype": if fp8_dispatch { "e4m3" } else { "bf16" },
                     "transport": transport, "shared_experts": shared,
                     "shared_apart_tokens": if shared > 0 { serde_json::json!(shared_apart_tokens) } else { serde_json::Value::Null },
+                    "split_own_tokens": split_own_tokens,
                     "device": device, "date": date,
                 });
                 let mut line = format!("{geo} {kind:<10} m={m:<5} ranks={n} {transport}: {us:9.1} us");

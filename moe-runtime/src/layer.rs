@@ -6,7 +6,7 @@ use crate::error::{Result, RuntimeError};
 use crate::families::decode::DecodeFamily;
 use crate::families::fused::FusedFamily;
 use crate::families::grouped::{Alignment, GroupedPath};
-use crate::families::StepPtrs;
+use crate::families::{Part, ScratchSlot, StepPtrs};
 use crate::launch::ptr;
 use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
@@ -71,9 +71,10 @@ pub struct MoeLayer {
     bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// The gated shared experts' gate `[H]`.
     shared_gate: Option<CudaSlice<f32>>,
-    /// A step's routing with the shared experts' slots appended (`[M, k + S]`), grown as `ids32`.
-    ids_ext: Mutex<CudaSlice<i32>>,
-    weights_ext: Mutex<CudaSlice<f32>>,
+    /// A step's routing with the shared experts' slots appended (`[M, k + S]`), grown as `ids32`;
+    /// one per [`ScratchSlot`].
+    ids_ext: [Mutex<CudaSlice<i32>>; 2],
+    weights_ext: [Mutex<CudaSlice<f32>>; 2],
     /// Count of out-of-range expert ids the kernels met.
     errors: CudaSlice<i32>,
     /// int64 routing ids narrowed to int32 (`forward_on` with [`TopkIds::I64`]), or the ids a
@@ -242,8 +243,8 @@ impl MoeLayer {
             spec,
             kspec,
             shared_gate: on_device.shared_gate,
-            ids_ext: Mutex::new(stream.alloc_zeros::<i32>(1)?),
-            weights_ext: Mutex::new(stream.alloc_zeros::<f32>(1)?),
+            ids_ext: [Mutex::new(stream.alloc_zeros::<i32>(1)?), Mutex::new(stream.alloc_zeros::<i32>(1)?)],
+            weights_ext: [Mutex::new(stream.alloc_zeros::<f32>(1)?), Mutex::new(stream.alloc_zeros::<f32>(1)?)],
             w13,
             w13_scales,
             w2,
@@ -337,8 +338,8 @@ impl MoeLayer {
         }
         if self.spec.shared_experts() > 0 {
             let ext = max_tokens * self.kspec.top_k() as usize;
-            self.grow(&self.ids_ext, &self.stream, ext)?;
-            self.grow(&self.weights_ext, &self.stream, ext)?;
+            self.grow(&self.ids_ext[0], &self.stream, ext)?;
+            self.grow(&self.weights_ext[0], &self.stream, ext)?;
         }
         Ok(())
     }
@@ -566,6 +567,25 @@ impl MoeLayer {
         y: DeviceTensorMut<'_, T>,
         shared: bool,
     ) -> Result<()> {
+        self.step_on(stream, family, x, topk_ids, topk_weights, y, shared, ScratchSlot::First, Part::Whole)
+    }
+
+    /// [`MoeLayer::step`] on one scratch slot, whole or one part of a grouped step (a `Front`,
+    /// then its `Back` with the same arguments, only steps on the other slot between them; see
+    /// [`MoeLayer::reserve_second`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn step_on<T: ActElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        family: Option<KernelFamily>,
+        x: DeviceTensor<'_, T>,
+        topk_ids: TopkIds<'_>,
+        topk_weights: DeviceTensor<'_, f32>,
+        y: DeviceTensorMut<'_, T>,
+        shared: bool,
+        slot: ScratchSlot,
+        part: Part,
+    ) -> Result<()> {
         if stream.context().cu_ctx() != self.stream.context().cu_ctx() {
             return Err(RuntimeError::Shape {
                 what: "stream",
@@ -592,33 +612,78 @@ impl MoeLayer {
                 scratch
             }
         };
-        if self.validate_routing {
+        if self.validate_routing && part != Part::Back {
             let mut host = vec![0i32; m * k];
             stream.synchronize()?;
             unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, ids)? };
             validate_ids(&host, self.spec.experts())?;
         }
         let family = family.or_else(|| self.family_for(m));
-        let (ids, weights) = self.widen(stream, m, (ids, topk_weights.ptr()), x.ptr(), shared)?;
+        if part != Part::Whole && family != Some(KernelFamily::GroupedGemm) {
+            return Err(RuntimeError::FamilyUnavailable {
+                family: KernelFamily::GroupedGemm,
+                why: format!("a step split in parts runs on the grouped GEMMs; {m} tokens take {family:?}"),
+            });
+        }
+        let routing = (ids, topk_weights.ptr());
+        // A step's back part reads the routing its front widened.
+        let (ids, weights) = if part == Part::Back {
+            self.widened(stream, slot, m, routing)?
+        } else {
+            self.widen(stream, slot, m, routing, x.ptr(), shared)?
+        };
         let p = self.step_ptrs(x.ptr(), ids, weights, y.ptr());
-        self.launch_family(stream, family, m, &p)
+        self.launch_family(stream, family, m, &p, slot, part)
+    }
+
+    /// Reserve the second scratch slot for steps of up to `max_tokens` (the families' own
+    /// scratch is [`MoeLayer::reserve`]'s): a caller that splits a step keeps the first slot's
+    /// while others run on this one.
+    pub(crate) fn reserve_second(&self, max_tokens: usize) -> Result<()> {
+        let slot = ScratchSlot::Second;
+        for g in [self.grouped.as_ref().ok(), self.grouped_large.as_ref().map(|(_, g)| g)].into_iter().flatten() {
+            g.reserve_in(slot, &self.stream, &self.kspec, max_tokens, self.deterministic)?;
+        }
+        if self.spec.shared_experts() > 0 {
+            let ext = max_tokens * self.kspec.top_k() as usize;
+            self.grow(&self.ids_ext[slot as usize], &self.stream, ext)?;
+            self.grow(&self.weights_ext[slot as usize], &self.stream, ext)?;
+        }
+        Ok(())
     }
 
     /// The routing the kernels read: `(ids, weights)` `[m, k]` themselves, or with shared
     /// experts widened on `stream` into the layer's `[m, k + S]` scratch (their slots empty
     /// where `shared` is off).
     fn with_shared(&self, stream: &CudaStream, m: usize, routing: (u64, u64), x: u64) -> Result<(u64, u64)> {
-        self.widen(stream, m, routing, x, true)
+        self.widen(stream, ScratchSlot::First, m, routing, x, true)
     }
-    fn widen(&self, stream: &CudaStream, m: usize, routing: (u64, u64), x: u64, shared: bool) -> Result<(u64, u64)> {
+    fn widen(
+        &self,
+        stream: &CudaStream,
+        slot: ScratchSlot,
+        m: usize,
+        routing: (u64, u64),
+        x: u64,
+        shared: bool,
+    ) -> Result<(u64, u64)> {
+        if self.spec.shared_experts() == 0 {
+            return Ok(routing);
+        }
+        let dst = self.widened(stream, slot, m, routing)?;
+        let gate = self.shared_gate.as_ref().map_or(0, |g| ptr(g, &self.stream));
+        self.decode.expand(stream, m, routing, x, gate, dst, shared)?;
+        Ok(dst)
+    }
+    /// Where [`MoeLayer::widen`] puts a step's routing on `slot` (the routing itself without
+    /// shared experts).
+    fn widened(&self, stream: &CudaStream, slot: ScratchSlot, m: usize, routing: (u64, u64)) -> Result<(u64, u64)> {
         if self.spec.shared_experts() == 0 {
             return Ok(routing);
         }
         let n = m * self.kspec.top_k() as usize;
-        let dst = (self.grow(&self.ids_ext, stream, n)?, self.grow(&self.weights_ext, stream, n)?);
-        let gate = self.shared_gate.as_ref().map_or(0, |g| ptr(g, &self.stream));
-        self.decode.expand(stream, m, routing, x, gate, dst, shared)?;
-        Ok(dst)
+        let i = slot as usize;
+        Ok((self.grow(&self.ids_ext[i], stream, n)?, self.grow(&self.weights_ext[i], stream, n)?))
     }
 
     /// The int32 routing ids (narrowed from int64, or routed here from logits): `n` ids, grown
@@ -677,7 +742,7 @@ impl MoeLayer {
             self.decode.route(s, m, logits, bias, ids, weights)?;
             let (ids, weights) = self.with_shared(s, m, (ids, weights), ptr(x, s))?;
             let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
-            return self.launch_family(s, family, m, &p);
+            return self.launch_family(s, family, m, &p, ScratchSlot::First, Part::Whole);
         };
         g.reserve(&self.stream, &self.kspec, m, self.deterministic)?;
         // moe_prepare routes in the grouped step's first kernel, except where the shared experts'
@@ -686,12 +751,12 @@ impl MoeLayer {
             // The grouped step routes in its first kernel (moe_prepare).
             let (ids, weights) = g.routing_ptrs(s, m)?;
             let p = StepPtrs { logits, bias, ..self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s)) };
-            return self.launch_family(s, family, m, &p);
+            return self.launch_family(s, family, m, &p, ScratchSlot::First, Part::Whole);
         }
         let routing = g.route(s, m, logits, bias)?;
         let (ids, weights) = self.with_shared(s, m, routing, ptr(x, s))?;
         let p = self.step_ptrs(ptr(x, s), ids, weights, ptr(y, s));
-        self.launch_family(s, family, m, &p)
+        self.launch_family(s, family, m, &p, ScratchSlot::First, Part::Whole)
     }
 
     /// The routing the last [`MoeLayer::forward_logits`] produced, copied back (syncs):
@@ -803,14 +868,16 @@ impl MoeLayer {
         family: Option<KernelFamily>,
         m: usize,
         p: &StepPtrs,
+        slot: ScratchSlot,
+        part: Part,
     ) -> Result<()> {
         *self.last_plan.lock().unwrap_or_else(|p| p.into_inner()) = Some((m, family));
         match family {
             Some(KernelFamily::GroupedGemm) => {
                 let g = self.grouped_for(m)?;
                 tracing::debug!(m, tiles = ?g.tiles, "forward: grouped GEMMs");
-                g.reserve(stream, &self.kspec, m, self.deterministic)?;
-                g.forward(stream, &self.kspec, m, p, self.deterministic)
+                g.reserve_in(slot, stream, &self.kspec, m, self.deterministic)?;
+                g.forward_part(stream, &self.kspec, m, p, self.deterministic, slot, part)
             }
             Some(KernelFamily::Fused) => {
                 tracing::debug!(m, "forward: fused");
@@ -825,14 +892,14 @@ impl MoeLayer {
                 let model = self.dispatch.expect("a step the device dispatches has models");
                 let model = model.device_menu(m, self.kspec.top_k(), self.kspec.experts());
                 let g = self.grouped_path()?;
-                g.reserve(stream, &self.kspec, m, self.deterministic)?;
+                g.reserve_in(slot, stream, &self.kspec, m, self.deterministic)?;
                 let choice = ptr(&self.choice, &self.stream);
                 g.choose(stream, m, p.ids, &model, choice)?;
                 let p = StepPtrs { choice, ..*p };
                 // One stream: the grouped kernels first, then warp decode's. Run on two streams
                 // (forked and joined) or in the other order, the dispatched steps measured the same
                 // within noise (H100, docs/dispatch.md).
-                g.forward(stream, &self.kspec, m, &p, self.deterministic)?;
+                g.forward_part(stream, &self.kspec, m, &p, self.deterministic, slot, Part::Whole)?;
                 self.decode.forward(stream, &self.kspec, m, &p)?;
                 // The fused family where it is on the menu (`set_dispatch_model` keeps its model
                 // only where the layer has it; `device_menu` only where it can win).

@@ -108,7 +108,8 @@ fn ep_layer_matches_the_single_gpu_layer() {
     let want = single_gpu(&spec, &w, &flat);
     let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
     // Both transports: all-to-alls between symmetric windows (copy engines), and a send and a
-    // receive per peer (NCCL's kernels). The same bits either way.
+    // receive per peer (NCCL's kernels); the first with the own tokens' launch split around the
+    // peers' slabs at 4096 tokens (the default), the second never split. The same bits either way.
     // got[rank][case]: two runs' output bits.
     type Runs = Vec<Vec<(Vec<u16>, Vec<u16>)>>;
     let mut first: Option<Runs> = None;
@@ -116,7 +117,8 @@ fn ep_layer_matches_the_single_gpu_layer() {
         let got: Runs = on_ranks(n, |r, id| {
             let (dev, c) = comm(r, n, id, 60);
             let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
-            let cfg = EpConfig { copy_engines, ..EpConfig::new(4096) };
+            let split_own_tokens = if copy_engines { EpConfig::new(4096).split_own_tokens } else { None };
+            let cfg = EpConfig { copy_engines, split_own_tokens, ..EpConfig::new(4096) };
             let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
             eprintln!("rank {r}: copy engines asked {copy_engines}, available {}", layer.copy_engines());
             assert!(copy_engines || !layer.copy_engines());
@@ -144,8 +146,9 @@ fn ep_layer_matches_the_single_gpu_layer() {
     }
 }
 
-/// Shared experts (plain and gated) run on each token's own rank, with its routed experts or in a
-/// launch of their own after the peers' slabs, and a peer's experts leave them out; quantized
+/// Shared experts (plain and gated) run on each token's own rank, with its routed experts (in one
+/// launch, or one split around the peers' slabs) or in a launch of their own after the peers'
+/// slabs, and a peer's experts leave them out; quantized
 /// weights (DeepSeek-V3's 128x128-block fp8 with its shared expert, MXFP4) load and run
 /// through the same path. Against the single-GPU layer on the same weights, a padding token (every
 /// slot -1) included, which gets the shared experts' output there too; bit-identical run to run.
@@ -157,20 +160,22 @@ fn shared_experts_and_quantized_weights_match_the_single_gpu_layer() {
     let n = ranks();
     let seed = fresh_seed();
     // (format, shared experts, gated, bound, shared experts in a launch of their own from this
-    // many tokens: the default's 1024 is past these steps).
+    // many tokens, the own tokens' launch split around the peers' slabs from this many: the
+    // split runs at 2048, whose combine, 8 MiB a peer, travels on the copy engines).
     let cases = [
-        (WeightFormat::Bf16, 1, false, 5e-3, None),
-        (WeightFormat::Bf16, 2, true, 5e-3, Some(1)),
-        (WeightFormat::Fp8E4m3B128, 1, false, 2e-2, Some(1)),
-        (WeightFormat::Mxfp4, 0, false, 1e-2, None),
+        (WeightFormat::Bf16, 1, false, 5e-3, None, Some(1)),
+        (WeightFormat::Bf16, 2, true, 5e-3, Some(1), None),
+        (WeightFormat::Fp8E4m3B128, 1, false, 2e-2, Some(1), Some(1)),
+        (WeightFormat::Mxfp4, 0, false, 1e-2, None, Some(1)),
     ];
-    for (ci, (format, count, gated, tol, apart)) in cases.into_iter().enumerate() {
+    for (ci, (format, count, gated, tol, apart, split)) in cases.into_iter().enumerate() {
         let routed = MoeSpec::builder(QWEN3.0, QWEN3.1, QWEN3.2, QWEN3.3).weight_format(format).build().unwrap();
         let spec = if count > 0 { routed.with_shared_experts(count, gated).unwrap() } else { routed };
-        let what = format!("{format}, {count} shared (gated {gated}, apart from {apart:?} tokens)");
+        let what =
+            format!("{format}, {count} shared (gated {gated}, apart from {apart:?} tokens), split from {split:?}");
         let w = random_weights(&spec, seed ^ ci as u64);
         let map = ExpertMap::contiguous(spec.experts(), n).unwrap();
-        let ms = [1usize, 7, 300];
+        let ms = [1usize, 7, 300, 2048];
         let steps: Vec<Vec<Step>> = ms
             .iter()
             .enumerate()
@@ -191,10 +196,7 @@ fn shared_experts_and_quantized_weights_match_the_single_gpu_layer() {
         let got: Vec<Vec<(Vec<u16>, Vec<u16>)>> = on_ranks(n, |r, id| {
             let (dev, c) = comm(r, n, id, 60);
             let local = w.select_experts(&spec, &map.experts_of(r)).unwrap();
-            let cfg = EpConfig {
-                shared_apart_tokens: apart.or(EpConfig::new(300).shared_apart_tokens),
-                ..EpConfig::new(300)
-            };
+            let cfg = EpConfig { shared_apart_tokens: apart, split_own_tokens: split, ..EpConfig::new(2048) };
             let mut layer = EpLayer::new(&dev, c, spec, map.clone(), &local, cfg).unwrap();
             let out = steps.iter().map(|s| (ep_step(&mut layer, &s[r]), ep_step(&mut layer, &s[r]))).collect();
             layer.take_errors().unwrap();

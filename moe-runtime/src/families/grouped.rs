@@ -9,7 +9,7 @@
 use crate::device::Device;
 use crate::dispatch::DispatchModel;
 use crate::error::{Result, RuntimeError};
-use crate::families::StepPtrs;
+use crate::families::{Part, ScratchSlot, StepPtrs};
 use crate::launch::{cooperative_attrs, launch_attrs, max_active_clusters, ptr, Kernel};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
@@ -115,7 +115,8 @@ pub(crate) struct GroupedPath {
     gemm1_blocks: u32,
     gemm2_blocks: u32,
     sms: u32,
-    scratch: Mutex<Option<Scratch>>,
+    /// One per [`ScratchSlot`]; the second is reserved only where a caller splits steps.
+    scratch: [Mutex<Option<Scratch>>; 2],
 }
 
 impl GroupedPath {
@@ -194,13 +195,25 @@ impl GroupedPath {
             gemm1_blocks,
             gemm2_blocks,
             sms: device.sm_count(),
-            scratch: Mutex::new(None),
+            scratch: [Mutex::new(None), Mutex::new(None)],
         })
     }
 
     /// Size the scratch for steps of up to `tokens` tokens in the given combine mode.
     pub fn reserve(&self, stream: &Arc<CudaStream>, spec: &MoeSpec, tokens: usize, deterministic: bool) -> Result<()> {
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        self.reserve_in(ScratchSlot::First, stream, spec, tokens, deterministic)
+    }
+
+    /// [`GroupedPath::reserve`] for one scratch slot.
+    pub fn reserve_in(
+        &self,
+        slot: ScratchSlot,
+        stream: &Arc<CudaStream>,
+        spec: &MoeSpec,
+        tokens: usize,
+        deterministic: bool,
+    ) -> Result<()> {
+        let mut s = self.scratch[slot as usize].lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = s.as_ref() {
             if s.tokens >= tokens && (s.deterministic || !deterministic) {
                 return Ok(());
@@ -248,7 +261,7 @@ impl GroupedPath {
 
     /// The scratch's routing buffers `(ids, weights)`, where a step from logits routes.
     pub fn routing_ptrs(&self, stream: &Arc<CudaStream>, m: usize) -> Result<(u64, u64)> {
-        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = self.scratch[0].lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().ok_or(RuntimeError::NotReserved { m })?;
         Ok((ptr(&s.ids, stream), ptr(&s.weights, stream)))
     }
@@ -285,16 +298,21 @@ impl GroupedPath {
         unsafe { self.fns.choose.launch(stream, (1, CHOOSE_THREADS, 0), true, p) }
     }
 
-    /// One step: `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`.
-    pub fn forward(
+    /// One step, `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`, or one part of it,
+    /// on one scratch slot. A `Back` must follow its `Front` on the same
+    /// slot with the same `m` and pointers, and nothing on that slot between them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_part(
         &self,
         stream: &Arc<CudaStream>,
         spec: &MoeSpec,
         m: usize,
         p: &StepPtrs,
         deterministic: bool,
+        slot: ScratchSlot,
+        part: Part,
     ) -> Result<()> {
-        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.scratch[slot as usize].lock().unwrap_or_else(|p| p.into_inner());
         let s = guard.as_mut().ok_or(RuntimeError::NotReserved { m })?;
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
         let pairs = m * k;
@@ -315,10 +333,11 @@ impl GroupedPath {
         // A step one block's warps cover (a token each): moe_prepare zeroes the GEMMs' work
         // counters itself and needs no other (no memset node ahead of it).
         let solo = m <= (ALIGN_THREADS / 32) as usize && prepare_grid == 1;
-        if !solo {
+        let (front, back) = (part != Part::Back, part != Part::Front);
+        if front && !solo {
             stream.memset_zeros(&mut s.work_counters)?;
         }
-        if !deterministic {
+        if front && !deterministic {
             let mut y32_view = s.out32.slice_mut(0..m * h * 4);
             stream.memset_zeros(&mut y32_view)?;
         }
@@ -348,9 +367,9 @@ impl GroupedPath {
         };
         // SAFETY (every launch below): the step's pointers were checked against the spec by the
         // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
-        unsafe {
+        if front {
             let dims = (prepare_grid, ALIGN_THREADS, self.prepare_smem);
-            self.fns.prepare.launch_with(stream, dims, cooperative_attrs(), prepare)?;
+            unsafe { self.fns.prepare.launch_with(stream, dims, cooperative_attrs(), prepare)? };
         }
         let elementwise = |n: usize| (n.div_ceil(ELEMWISE_THREADS as usize) as u32).clamp(1, self.sms * 16);
         // GEMM1's A operand: x itself, its paired copy (weights decoded in registers), or its e4m3
@@ -406,7 +425,9 @@ impl GroupedPath {
             work_counter: counters,
             b_map: w13_map,
         };
-        unsafe { self.launch_gemm(&self.fns.gemm1, stream, grid1, self.gemm1_smem, gemm1)? };
+        if front {
+            unsafe { self.launch_gemm(&self.fns.gemm1, stream, grid1, self.gemm1_smem, gemm1)? };
+        }
         let (mut a2, mut a2s) = (mid, mid_scales);
         if self.fp8 && !self.mid_in_gemm1 {
             let (q, qs) = (ptr(&s.midq, stream), ptr(&s.mids, stream));
@@ -415,7 +436,12 @@ impl GroupedPath {
             let quant = QuantMidParams { mid, num_tiles: ntiles, sorted_rows: sorted, q, s: qs };
             // Half a warp per 128-element block.
             let grid = elementwise(rows * spec.intermediate() as usize / 128 * 16);
-            unsafe { self.fns.quant_mid.launch(stream, (grid, ELEMWISE_THREADS, 0), true, quant)? };
+            if front {
+                unsafe { self.fns.quant_mid.launch(stream, (grid, ELEMWISE_THREADS, 0), true, quant)? };
+            }
+        }
+        if !back {
+            return Ok(());
         }
         let out32 = ptr(&s.out32, stream);
         let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
@@ -490,7 +516,7 @@ impl GroupedPath {
 
     /// The routing the last `route` produced (syncs): `(ids, weights)` over the reserved pairs.
     pub fn last_routing(&self, stream: &Arc<CudaStream>) -> Result<(Vec<i32>, Vec<f32>)> {
-        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = self.scratch[0].lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().ok_or(RuntimeError::NoStepYet)?;
         Ok((stream.clone_dtoh(&s.ids)?, stream.clone_dtoh(&s.weights)?))
     }
@@ -498,7 +524,7 @@ impl GroupedPath {
     /// The alignment of the last step, copied back (syncs): `(sorted_rows, pair_pos, tile_expert,
     /// num_tiles)`, for tests.
     pub fn last_alignment(&self, stream: &Arc<CudaStream>) -> Result<Alignment> {
-        let s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = self.scratch[0].lock().unwrap_or_else(|p| p.into_inner());
         let s = s.as_ref().ok_or(RuntimeError::NoStepYet)?;
         let n = stream.clone_dtoh(&s.num_tiles)?;
         Ok(Alignment {

@@ -5,6 +5,24 @@ pub mod decode;
 pub mod fused;
 pub mod grouped;
 
+/// Which part of a grouped step a launch enqueues. A step split in two leaves its layout and
+/// intermediate in its scratch between `Front` (alignment, GEMM1) and `Back` (GEMM2, combine), so
+/// that another step may run between them on the other scratch ([`ScratchSlot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    Whole,
+    Front,
+    Back,
+}
+
+/// One of a layer's two sets of step scratch: a step split into parts keeps the first while
+/// another step runs on the second.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ScratchSlot {
+    First = 0,
+    Second = 1,
+}
+
 /// Device pointers a family reads for one step.
 #[derive(Clone, Copy)]
 pub(crate) struct StepPtrs {
