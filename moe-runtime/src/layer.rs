@@ -6,7 +6,7 @@ use crate::error::{Result, RuntimeError};
 use crate::families::decode::DecodeFamily;
 use crate::families::fused::FusedFamily;
 use crate::families::grouped::{Alignment, GroupedPath};
-use crate::families::{Part, ScratchSlot, StepPtrs};
+use crate::families::{Part, ScratchSlot, StepAt, StepPtrs};
 use crate::launch::ptr;
 use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
 use crate::weights::Weights;
@@ -506,7 +506,7 @@ impl MoeLayer {
     ) -> Result<()> {
         let s = &self.stream;
         let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s), true)
+        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s), true, StepAt::WHOLE)
     }
 
     /// [`MoeLayer::forward`] with the family named.
@@ -520,7 +520,7 @@ impl MoeLayer {
     ) -> Result<()> {
         let s = &self.stream;
         let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s), true)
+        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s), true, StepAt::WHOLE)
     }
 
     /// [`MoeLayer::forward`] on memory and a stream the caller owns: `x [M, H]` and `y [M, H]` in
@@ -537,7 +537,7 @@ impl MoeLayer {
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
     ) -> Result<()> {
-        self.step(stream, None, x, topk_ids, topk_weights, y, true)
+        self.step(stream, None, x, topk_ids, topk_weights, y, true, StepAt::WHOLE)
     }
 
     /// [`MoeLayer::forward_on`] with the family named.
@@ -550,12 +550,14 @@ impl MoeLayer {
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
     ) -> Result<()> {
-        self.step(stream, Some(family), x, topk_ids, topk_weights, y, true)
+        self.step(stream, Some(family), x, topk_ids, topk_weights, y, true, StepAt::WHOLE)
     }
 
     /// One step (the family `None`: the layer's choice). `shared` off: the shared experts' slots
     /// stay empty (an expert-parallel rank's experts on a peer's tokens, whose shared experts run
-    /// on their own rank).
+    /// on their own rank). `at`: [`StepAt::WHOLE`], or one scratch slot and one part of a grouped
+    /// step (a `Front`, then its `Back` with the same arguments, only steps on the other slot
+    /// between them; see [`MoeLayer::reserve_second`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn step<T: ActElem>(
         &self,
@@ -566,26 +568,9 @@ impl MoeLayer {
         topk_weights: DeviceTensor<'_, f32>,
         y: DeviceTensorMut<'_, T>,
         shared: bool,
+        at: StepAt,
     ) -> Result<()> {
-        self.step_on(stream, family, x, topk_ids, topk_weights, y, shared, ScratchSlot::First, Part::Whole)
-    }
-
-    /// [`MoeLayer::step`] on one scratch slot, whole or one part of a grouped step (a `Front`,
-    /// then its `Back` with the same arguments, only steps on the other slot between them; see
-    /// [`MoeLayer::reserve_second`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn step_on<T: ActElem>(
-        &self,
-        stream: &Arc<CudaStream>,
-        family: Option<KernelFamily>,
-        x: DeviceTensor<'_, T>,
-        topk_ids: TopkIds<'_>,
-        topk_weights: DeviceTensor<'_, f32>,
-        y: DeviceTensorMut<'_, T>,
-        shared: bool,
-        slot: ScratchSlot,
-        part: Part,
-    ) -> Result<()> {
+        let StepAt { slot, part } = at;
         if stream.context().cu_ctx() != self.stream.context().cu_ctx() {
             return Err(RuntimeError::Shape {
                 what: "stream",

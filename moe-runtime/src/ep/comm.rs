@@ -282,40 +282,34 @@ impl Comm {
         bytes: usize,
         stream: &CudaStream,
     ) -> Result<(), EpError> {
-        self.live()?;
         debug_assert!(bytes * self.ranks <= send.bytes().min(recv.bytes()));
+        self.collective("ncclAlltoAll", stream, |s| unsafe {
+            sys::ncclAlltoAll(send.ptr() as _, recv.ptr() as _, bytes, sys::ncclDataType_t::ncclUint8, self.raw, s)
+        })
+    }
+
+    /// A collective `f` issues on `stream` (given as NCCL takes it), not waited for.
+    fn collective(
+        &self,
+        call: &'static str,
+        stream: &CudaStream,
+        f: impl FnOnce(sys::cudaStream_t) -> sys::ncclResult_t,
+    ) -> Result<(), EpError> {
+        self.live()?;
         self.ctx.bind_to_thread()?;
-        let r = unsafe {
-            sys::ncclAlltoAll(
-                send.ptr() as _,
-                recv.ptr() as _,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.raw,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        };
-        self.issued("ncclAlltoAll", r)
+        let r = f(stream.cu_stream() as sys::cudaStream_t);
+        self.issued(call, r)
     }
 
     /// Each rank's chunk `rank` of `win` (`bytes` long) to chunk `rank` of every other rank's
     /// `win`: an in-place all-gather, which between symmetric windows NCCL runs on the copy
     /// engines within a node.
     pub(crate) fn all_gather_in_place(&self, win: &Window, bytes: usize, stream: &CudaStream) -> Result<(), EpError> {
-        self.live()?;
         debug_assert!(bytes * self.ranks <= win.bytes());
-        self.ctx.bind_to_thread()?;
-        let r = unsafe {
-            sys::ncclAllGather(
-                (win.ptr() + (self.rank * bytes) as u64) as _,
-                win.ptr() as _,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.raw,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        };
-        self.issued("ncclAllGather", r)
+        let mine = win.ptr() + (self.rank * bytes) as u64;
+        self.collective("ncclAllGather", stream, |s| unsafe {
+            sys::ncclAllGather(mine as _, win.ptr() as _, bytes, sys::ncclDataType_t::ncclUint8, self.raw, s)
+        })
     }
 
     /// Every rank's `mine` (the same length on each), in rank order; waits on the host.

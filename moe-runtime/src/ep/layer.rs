@@ -5,7 +5,7 @@ use super::comm::{Comm, P2p, Window};
 use super::map::ExpertMap;
 use super::EpError;
 use crate::device::Device;
-use crate::families::{Part, ScratchSlot};
+use crate::families::{Part, ScratchSlot, StepAt};
 use crate::launch::{ptr, Kernel};
 use crate::layer::{ActElem, MoeLayer};
 use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
@@ -766,7 +766,7 @@ impl EpLayer {
             (OwnPlan::Split, true) => Part::Back,
             _ => Part::Whole,
         };
-        self.local.step_on(s, None, x, TopkIds::I32(ids), w, y, shared, ScratchSlot::First, part)?;
+        self.local.step(s, None, x, TopkIds::I32(ids), w, y, shared, StepAt { slot: ScratchSlot::First, part })?;
         Ok(())
     }
 
@@ -833,7 +833,7 @@ impl EpLayer {
         // A peer's tokens: their shared experts run on their own rank. Between a split own
         // launch's parts, on the other scratch.
         let slot = if self.step.plan == OwnPlan::Split { ScratchSlot::Second } else { ScratchSlot::First };
-        self.local.step_on(s, None, x, TopkIds::I32(ids), w, y, false, slot, Part::Whole)?;
+        self.local.step(s, None, x, TopkIds::I32(ids), w, y, false, StepAt { slot, part: Part::Whole })?;
         Ok(())
     }
 

@@ -23,6 +23,18 @@ pub(crate) enum ScratchSlot {
     Second = 1,
 }
 
+/// Where a step runs: on which scratch slot, whole or which part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StepAt {
+    pub slot: ScratchSlot,
+    pub part: Part,
+}
+
+impl StepAt {
+    /// The whole step on the first slot: every step but an expert-parallel rank's split ones.
+    pub const WHOLE: StepAt = StepAt { slot: ScratchSlot::First, part: Part::Whole };
+}
+
 /// Device pointers a family reads for one step.
 #[derive(Clone, Copy)]
 pub(crate) struct StepPtrs {
