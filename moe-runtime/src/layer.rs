@@ -311,21 +311,8 @@ impl MoeLayer {
     /// steps below the prefill threshold only: a larger step forced onto warp decode
     /// (`forward_family`) grows it outside capture, and inside one is `NotReserved`.
     pub fn reserve(&self, max_tokens: usize) -> Result<()> {
-        // The grouped module also routes from logits, for either family; the large-step path takes
-        // the steps from its size on.
-        if let Ok(g) = &self.grouped {
-            // (The device's dispatch runs on this path below the prefill threshold.)
-            let below = self
-                .grouped_large
-                .as_ref()
-                .map_or(max_tokens, |(from, _)| max_tokens.min((from - 1).max(self.prefill_threshold)));
-            g.reserve(&self.stream, &self.kspec, below.max(1), self.deterministic)?;
-        }
-        if let Some((from, g)) = &self.grouped_large {
-            if max_tokens >= *from {
-                g.reserve(&self.stream, &self.kspec, max_tokens, self.deterministic)?;
-            }
-        }
+        // The grouped module also routes from logits, for either family.
+        self.reserve_grouped(ScratchSlot::First, max_tokens)?;
         // Warp decode takes the steps below the threshold, or every step without the grouped
         // family; a decode launch never takes more than the family's chunk.
         let decode_max = if self.grouped.is_ok() { max_tokens.min(self.prefill_threshold) } else { max_tokens };
@@ -621,14 +608,31 @@ impl MoeLayer {
         self.launch_family(stream, family, m, &p, slot, part)
     }
 
+    /// The grouped paths' scratch on `slot` for steps of up to `max_tokens`: the large-step path
+    /// takes the steps from its size on, the other those below (and the device's dispatch, below
+    /// the prefill threshold).
+    fn reserve_grouped(&self, slot: ScratchSlot, max_tokens: usize) -> Result<()> {
+        if let Ok(g) = &self.grouped {
+            let below = self
+                .grouped_large
+                .as_ref()
+                .map_or(max_tokens, |(from, _)| max_tokens.min((from - 1).max(self.prefill_threshold)));
+            g.reserve_in(slot, &self.stream, &self.kspec, below.max(1), self.deterministic)?;
+        }
+        if let Some((from, g)) = &self.grouped_large {
+            if max_tokens >= *from {
+                g.reserve_in(slot, &self.stream, &self.kspec, max_tokens, self.deterministic)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Reserve the second scratch slot for steps of up to `max_tokens` (the families' own
     /// scratch is [`MoeLayer::reserve`]'s): a caller that splits a step keeps the first slot's
     /// while others run on this one.
     pub(crate) fn reserve_second(&self, max_tokens: usize) -> Result<()> {
         let slot = ScratchSlot::Second;
-        for g in [self.grouped.as_ref().ok(), self.grouped_large.as_ref().map(|(_, g)| g)].into_iter().flatten() {
-            g.reserve_in(slot, &self.stream, &self.kspec, max_tokens, self.deterministic)?;
-        }
+        self.reserve_grouped(slot, max_tokens)?;
         if self.spec.shared_experts() > 0 {
             let ext = max_tokens * self.kspec.top_k() as usize;
             self.grow(&self.ids_ext[slot as usize], &self.stream, ext)?;
