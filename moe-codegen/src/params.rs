@@ -239,6 +239,13 @@ kernel_params! {
         m: i32 = "int",
         y: u64 = "act_t* __restrict__",
         choice: u64 = "const int* __restrict__",
+        // Other ranks' partials added in rank order (0: none): rows `peer_rows` per rank, and
+        // each token's row in each (`[m, ranks]`, by distance from `rank`).
+        peers: u64 = "const act_t* __restrict__",
+        peer_pos: u64 = "const int* __restrict__",
+        peer_rows: i32 = "int",
+        rank: i32 = "int",
+        ranks: i32 = "int",
     }
     /// `moe_convert`: the atomic combine's f32 rows to y.
     ConvertParams {

@@ -938,10 +938,11 @@ moe_gemm2_rows(const __grid_constant__ Gemm2Params params) {
 #endif  // entry moe_gemm2_rows
 
 // The gather-reduce combine (deterministic): y[t] = sum over slots s, in slot order and in f32,
-// of topk_weights[t * K + s] * rows[pair_pos[t * K + s]]. A thread sums 8 adjacent columns
-// (16-byte loads). A group of up to COMBINE_SLOTS slots loads its positions, weights and rows
-// first (row 0 standing in for a skipped slot, not added) so that the loads are in flight
-// together: behind a branch each, the compiler issued them one round trip at a time.
+// of topk_weights[t * K + s] * rows[pair_pos[t * K + s]]; with `peers`, other ranks' partials
+// are then added in rank order. A thread sums 8 adjacent columns (16-byte loads). A group of up
+// to COMBINE_SLOTS slots loads its positions, weights and rows first (row 0 standing in for a
+// skipped slot, not added) so that the loads are in flight together: behind a branch each, the
+// compiler issued them one round trip at a time.
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_combine_rows)
 extern "C" __global__ void __launch_bounds__(ELEMWISE_THREADS)
 moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
@@ -987,6 +988,23 @@ moe_combine_rows(const __grid_constant__ CombineRowsParams params) {
         act_t out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) out[j] = (act_t)sum[j];
+        if (peers) {
+            // An expert-parallel rank's own tokens: every rank's partial, this one's rounded as
+            // if stored, summed in rank order in f32 (moe_ep_combine's bits).
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int p = 0; p < ranks; ++p) {
+                const int j = (p - rank + ranks) % ranks;
+                const int row = j == 0 ? 0 : __ldg(peer_pos + t * ranks + j);
+                if (row < 0) continue;
+                const uint4 u = j == 0 ? *reinterpret_cast<const uint4*>(out)
+                                       : __ldg(reinterpret_cast<const uint4*>(peers + ((long)p * peer_rows + row) * HIDDEN + c));
+                const act_t* e = reinterpret_cast<const act_t*>(&u);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += (float)e[i];
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) out[i] = (act_t)acc[i];
+        }
         *reinterpret_cast<uint4*>(y + t * HIDDEN + c) = *reinterpret_cast<const uint4*>(out);
     }
 }

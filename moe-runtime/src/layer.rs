@@ -543,8 +543,8 @@ impl MoeLayer {
     /// One step (the family `None`: the layer's choice). `shared` off: the shared experts' slots
     /// stay empty (an expert-parallel rank's experts on a peer's tokens, whose shared experts run
     /// on their own rank). `at`: [`StepAt::WHOLE`], or one scratch slot and one part of a grouped
-    /// step (a `Front`, then its `Back` with the same arguments, only steps on the other slot
-    /// between them; see [`MoeLayer::reserve_second`]).
+    /// step (its `Front`, `Gemm2` and `Combine` in order with the same arguments, only steps on
+    /// the other slot between them; see [`MoeLayer::reserve_second`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn step<T: ActElem>(
         &self,
@@ -584,7 +584,7 @@ impl MoeLayer {
                 scratch
             }
         };
-        if self.validate_routing && part != Part::Back {
+        if self.validate_routing && part.runs_front() {
             let mut host = vec![0i32; m * k];
             stream.synchronize()?;
             unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, ids)? };
@@ -598,8 +598,8 @@ impl MoeLayer {
             });
         }
         let routing = (ids, topk_weights.ptr());
-        // A step's back part reads the routing its front widened.
-        let (ids, weights) = if part == Part::Back {
+        // A step's later parts read the routing its front widened.
+        let (ids, weights) = if !part.runs_front() {
             self.widened(stream, slot, m, routing)?
         } else {
             self.widen(stream, slot, m, routing, x.ptr(), shared)?

@@ -5,7 +5,7 @@ use super::comm::{Comm, P2p, Window};
 use super::map::ExpertMap;
 use super::EpError;
 use crate::device::Device;
-use crate::families::{Part, ScratchSlot, StepAt};
+use crate::families::{Part, Partials, ScratchSlot, StepAt};
 use crate::launch::{ptr, Kernel};
 use crate::layer::{ActElem, MoeLayer};
 use crate::view::{DeviceTensor, DeviceTensorMut, TopkIds};
@@ -49,9 +49,10 @@ pub struct EpConfig {
     pub shared_apart_tokens: Option<usize>,
     /// Steps of at least this many tokens per rank that the rank's layer runs on the grouped
     /// GEMMs, and whose combine travels on the copy engines ([`EpConfig::copy_engines`],
-    /// [`COPY_ENGINE_MIN_BYTES`]), split their own tokens' launch in two: the alignment and GEMM1
-    /// under the dispatch's transfer, GEMM2 and the combine after the peers' slabs, under the
-    /// combine's transfer (which otherwise has nothing to run under). The peers' slabs then run
+    /// [`COPY_ENGINE_MIN_BYTES`]), split their own tokens' launch: the alignment and GEMM1 under
+    /// the dispatch's transfer, GEMM2 after the peers' slabs, under the combine's transfer (which
+    /// otherwise has nothing to run under), and last the own combine, which adds the peers'
+    /// partials itself (no final sum of its own; the same bits). The peers' slabs then run
     /// on a second set of the local layer's scratch, reserved at construction. Where it applies,
     /// the shared experts stay in the own tokens' launch (`shared_apart_tokens` gives way).
     /// `None`: never.
@@ -106,7 +107,9 @@ enum OwnPlan {
     /// The routed experts, then the shared ones in a launch of their own
     /// ([`EpConfig::shared_apart_tokens`]).
     SharedApart,
-    /// One launch in two parts, its front, then its back ([`EpConfig::split_own_tokens`]).
+    /// One launch in parts ([`EpConfig::split_own_tokens`]): its front (alignment, GEMM1), its
+    /// GEMM2, and in `combine_recv` its combine, which adds the peers' partials to the own sums
+    /// (`moe_ep_combine` folded in).
     Split,
 }
 
@@ -128,6 +131,10 @@ struct Step {
     plan: OwnPlan,
     /// Parts of the plan enqueued so far.
     own_done: usize,
+    /// The own tokens' activations, as the last of those parts read them.
+    x_own: u64,
+    /// The received slabs run on their own stream (`forward`'s split steps, which join it).
+    recv_side: bool,
 }
 
 struct Kernels {
@@ -194,6 +201,7 @@ struct Buffers {
 
 /// Events ordering the compute stream and the NCCL stream.
 struct Events {
+    planned: CudaEvent,
     packed: CudaEvent,
     arrived: CudaEvent,
     computed: CudaEvent,
@@ -212,6 +220,10 @@ pub struct EpLayer {
     slots: Vec<usize>,
     stream: Arc<CudaStream>,
     comm_stream: Arc<CudaStream>,
+    /// The pack's, beside the own tokens' front ([`EpLayer::dispatch_send`]).
+    pack_stream: Arc<CudaStream>,
+    /// The received slabs', beside the own tokens' front, in `forward`'s split steps.
+    recv_stream: Arc<CudaStream>,
     kernels: Kernels,
     bufs: Buffers,
     events: Events,
@@ -311,7 +323,7 @@ impl EpLayer {
         let wire = wire_row_bytes(&spec, cfg.fp8_dispatch);
         let ctx = device.context();
         let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
-        let events = Events { packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
+        let events = Events { planned: ev()?, packed: ev()?, arrived: ev()?, computed: ev()?, returned: ev()? };
         // NCCL's kernels on the highest priority: the block scheduler then starts them beside a
         // persistent GEMM of this rank's own tokens instead of after it.
         let (mut least, mut greatest) = (0i32, 0i32);
@@ -381,10 +393,20 @@ impl EpLayer {
             slots,
             stream,
             comm_stream,
+            pack_stream: ctx.new_stream()?,
+            recv_stream: ctx.new_stream_with_priority(greatest)?,
             kernels,
             bufs,
             events,
-            step: Step { stage: Stage::Idle, m: 0, rows: 0, plan: OwnPlan::One, own_done: 0 },
+            step: Step {
+                stage: Stage::Idle,
+                m: 0,
+                rows: 0,
+                plan: OwnPlan::One,
+                own_done: 0,
+                x_own: 0,
+                recv_side: false,
+            },
             skip_own: false,
             skip_received: false,
             no_transfers: false,
@@ -445,6 +467,14 @@ impl EpLayer {
     pub fn set_skip_experts(&mut self, own: bool, received: bool) {
         (self.skip_own, self.skip_received) = (own, received);
     }
+    /// The stream the received slabs run on.
+    fn received_stream(&self) -> &Arc<CudaStream> {
+        if self.step.recv_side {
+            &self.recv_stream
+        } else {
+            &self.stream
+        }
+    }
     /// Benches only: the steps run every kernel but start no transfer (the experts' time alone;
     /// received slabs hold whatever the last transfer left).
     #[doc(hidden)]
@@ -491,11 +521,20 @@ impl EpLayer {
         let s = self.stream.clone();
         let xp = DeviceTensor::new(x, &s).ptr();
         self.dispatch_send(DeviceTensor::new(x, &s), topk_ids, topk_weights)?;
+        // Split steps: the received slabs on a stream of their own, so that they start as the
+        // own tokens' front drains (the halves keep them on the caller's stream, whose capture
+        // may end before anything would join that stream).
+        self.step.recv_side = self.step.plan == OwnPlan::Split;
         // Own tokens need no transfer: their experts are launched while the transfers fly (the
         // shared experts, where they run apart, under the combine's).
         self.run_own_part(xp)?;
         self.dispatch_recv()?;
         self.combine_send()?;
+        if self.step.recv_side {
+            // The own GEMM2 after the received slabs: beside them, it delayed their combine's
+            // transfer, which then had nothing to run under.
+            self.stream.wait(&self.events.computed)?;
+        }
         while self.step.own_done < self.step.plan.parts() {
             self.run_own_part(xp)?;
         }
@@ -643,6 +682,15 @@ impl EpLayer {
             // Programmatic dependents: each kernel's launch overlaps its predecessor's drain.
             self.kernels.place.launch(s, (blocks, EP_PLAN_THREADS, 0), blocks > 1, place)?;
         }
+        // The pack on a stream of its own: the own tokens' front runs beside it. The NCCL stream
+        // waits for it, and the received slabs for that.
+        let ps = if ranks > 1 {
+            self.events.planned.record(s)?;
+            self.pack_stream.wait(&self.events.planned)?;
+            &self.pack_stream
+        } else {
+            s
+        };
         if ranks > 1 {
             let pack = EpPackParams {
                 x: x.ptr(),
@@ -654,13 +702,13 @@ impl EpLayer {
                 ranks: ranks as i32,
             };
             // SAFETY: as above; `send` holds a chunk per rank of the slab rows.
-            unsafe { self.kernels.pack.launch(s, (m as u32, EP_ROW_THREADS, 0), true, pack)? };
+            unsafe { self.kernels.pack.launch(ps, (m as u32, EP_ROW_THREADS, 0), false, pack)? };
         }
-        self.events.packed.record(s)?;
+        self.events.packed.record(ps)?;
         self.comm_stream.wait(&self.events.packed)?;
         self.exchange(&self.bufs.send, &self.bufs.recv, stride)?;
         self.events.arrived.record(&self.comm_stream)?;
-        self.step = Step { stage: Stage::Sent, m, rows, plan, own_done: 0 };
+        self.step = Step { stage: Stage::Sent, m, rows, plan, own_done: 0, x_own: 0, recv_side: false };
         Ok(())
     }
 
@@ -735,6 +783,7 @@ impl EpLayer {
             }
         }
         self.step.own_done += 1;
+        self.step.x_own = x;
         Ok(())
     }
 
@@ -763,7 +812,7 @@ impl EpLayer {
         let shared = plan != OwnPlan::SharedApart || shared_part;
         let part = match (plan, second) {
             (OwnPlan::Split, false) => Part::Front,
-            (OwnPlan::Split, true) => Part::Back,
+            (OwnPlan::Split, true) => Part::Gemm2,
             _ => Part::Whole,
         };
         self.local.step(s, None, x, TopkIds::I32(ids), w, y, shared, StepAt { slot: ScratchSlot::First, part })?;
@@ -774,10 +823,10 @@ impl EpLayer {
     /// rank's experts on them.
     pub fn dispatch_recv(&mut self) -> Result<(), EpError> {
         self.expect("dispatch_recv", Stage::Sent, "dispatch_send")?;
-        self.stream.wait(&self.events.arrived)?;
+        self.received_stream().wait(&self.events.arrived)?;
         let peers = self.comm.ranks() - 1;
         if self.cfg.fp8_dispatch && peers > 0 {
-            let (s, b) = (&self.stream, &self.bufs);
+            let (s, b) = (self.received_stream(), &self.bufs);
             let p = EpUnpackParams {
                 recv: b.recv.ptr(s),
                 x_recv: ptr(&b.x_recv, s),
@@ -805,7 +854,7 @@ impl EpLayer {
 
     /// This rank's experts on the slab that came from rank - j.
     fn run_received<T: ActElem + 'static>(&self, j: usize) -> Result<(), EpError> {
-        let (s, b, rb, wire) = (&self.stream, &self.bufs, self.row_bytes(), self.wire_bytes());
+        let (s, b, rb, wire) = (self.received_stream(), &self.bufs, self.row_bytes(), self.wire_bytes());
         let (rows, slots) = (self.step.rows, self.slots[self.comm.rank()]);
         let (h, n) = (self.spec.hidden() as usize, rows * slots);
         // From rank `from`: chunk `from` of recv; its outputs go back from chunk `from` of y_recv
@@ -841,7 +890,7 @@ impl EpLayer {
     /// wait).
     pub fn combine_send(&mut self) -> Result<(), EpError> {
         self.expect("combine_send", Stage::Received, "dispatch_recv")?;
-        self.events.computed.record(&self.stream)?;
+        self.events.computed.record(self.received_stream())?;
         self.comm_stream.wait(&self.events.computed)?;
         self.exchange(&self.bufs.y_recv, &self.bufs.y_back, self.step.rows * self.row_bytes())?;
         self.events.returned.record(&self.comm_stream)?;
@@ -852,7 +901,7 @@ impl EpLayer {
     /// Second half of the combine: wait (on the stream) for the outputs and sum each token's
     /// partials into `y [m, H]`, rank by rank. This rank's experts must have run on all its own
     /// tokens ([`EpLayer::run_local_experts`]).
-    pub fn combine_recv<T: ActElem>(&mut self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
+    pub fn combine_recv<T: ActElem + 'static>(&mut self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
         self.expect("combine_recv", Stage::Returning, "combine_send")?;
         if self.step.own_done != self.step.plan.parts() {
             return Err(EpError::OutOfOrder { call: "combine_recv", expected: "run_local_experts" });
@@ -863,6 +912,12 @@ impl EpLayer {
         }
         let (s, b) = (&self.stream, &self.bufs);
         s.wait(&self.events.returned)?;
+        if self.step.plan == OwnPlan::Split && !self.skip_own {
+            // The own tokens' combine adds the peers' partials itself.
+            self.run_own_combine(y)?;
+            self.step.stage = Stage::Idle;
+            return Ok(());
+        }
         let p = EpCombineParams {
             y_self: ptr(&b.y_self, s),
             y_self_b: ptr(&b.y_shared, s),
@@ -878,6 +933,32 @@ impl EpLayer {
         // SAFETY: y holds m rows (checked); the rest are the layer's buffers.
         unsafe { self.kernels.combine.launch(s, (m as u32, EP_ROW_THREADS, 0), false, p)? };
         self.step.stage = Stage::Idle;
+        Ok(())
+    }
+
+    /// A split own launch's last part: its combine, the peers' partials (in `y_back`) added in
+    /// rank order, into `y` (m rows, checked by the caller).
+    fn run_own_combine<T: ActElem + 'static>(&self, y: DeviceTensorMut<'_, T>) -> Result<(), EpError> {
+        let (s, b) = (&self.stream, &self.bufs);
+        let (h, slots, m) = (self.spec.hidden() as usize, self.slots[self.comm.rank()], self.step.m);
+        let partials = Partials {
+            y: b.y_back.ptr(s),
+            pos: ptr(&b.pos, s),
+            rows: self.step.rows as i32,
+            rank: self.comm.rank() as i32,
+            ranks: self.comm.ranks() as i32,
+        };
+        // SAFETY: x_own is the step's x (checked when its front ran), m rows; the routing is the
+        // layer's, sized for max_tokens >= m.
+        let (x, ids, w) = unsafe {
+            (
+                DeviceTensor::<T>::from_raw(self.step.x_own, m * h),
+                DeviceTensor::<i32>::from_raw(ptr(&b.self_ids, s), m * slots),
+                DeviceTensor::<f32>::from_raw(ptr(&b.self_weights, s), m * slots),
+            )
+        };
+        let at = StepAt { slot: ScratchSlot::First, part: Part::Combine(partials) };
+        self.local.step(s, None, x, TopkIds::I32(ids), w, y, true, at)?;
         Ok(())
     }
 

@@ -299,8 +299,8 @@ impl GroupedPath {
     }
 
     /// One step, `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`, or one part of it,
-    /// on one scratch slot. A `Back` must follow its `Front` on the same
-    /// slot with the same `m` and pointers, and nothing on that slot between them.
+    /// on one scratch slot. A step's parts follow each other in order on the same slot with the
+    /// same `m` and pointers, and nothing on that slot between them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_part(
         &self,
@@ -333,7 +333,17 @@ impl GroupedPath {
         // A step one block's warps cover (a token each): moe_prepare zeroes the GEMMs' work
         // counters itself and needs no other (no memset node ahead of it).
         let solo = m <= (ALIGN_THREADS / 32) as usize && prepare_grid == 1;
-        let (front, back) = (part != Part::Back, part != Part::Front);
+        let (front, gemm2, combine) = (part.runs_front(), part.runs_gemm2(), part.runs_combine());
+        let partials = match part {
+            Part::Combine(partials) => Some(partials),
+            _ => None,
+        };
+        if partials.is_some() && !deterministic {
+            return Err(RuntimeError::FamilyUnavailable {
+                family: moe_codegen::KernelFamily::GroupedGemm,
+                why: "other ranks' partials are added by the deterministic combine".into(),
+            });
+        }
         if front && !solo {
             stream.memset_zeros(&mut s.work_counters)?;
         }
@@ -440,11 +450,10 @@ impl GroupedPath {
                 unsafe { self.fns.quant_mid.launch(stream, (grid, ELEMWISE_THREADS, 0), true, quant)? };
             }
         }
-        if !back {
+        if !gemm2 && !combine {
             return Ok(());
         }
         let out32 = ptr(&s.out32, stream);
-        let gemm2 = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
         let gemm2_params = Gemm2Params {
             a: a2,
             a_scales: a2s,
@@ -466,7 +475,16 @@ impl GroupedPath {
                 TmaDesc::UNUSED
             },
         };
-        unsafe { self.launch_gemm(gemm2, stream, grid2, self.tiles.gemm2_smem_bytes(spec), gemm2_params)? };
+        if gemm2 {
+            let f = if deterministic { &self.fns.gemm2_rows } else { &self.fns.gemm2_atomic };
+            unsafe { self.launch_gemm(f, stream, grid2, self.tiles.gemm2_smem_bytes(spec), gemm2_params)? };
+        }
+        if !combine {
+            return Ok(());
+        }
+        // A combine launched alone follows whatever its caller enqueued after GEMM2 (an event
+        // wait): no programmatic dependency.
+        let pdl = gemm2;
         unsafe {
             if deterministic {
                 let combine = CombineRowsParams {
@@ -478,9 +496,14 @@ impl GroupedPath {
                     m: m32,
                     y: p.y,
                     choice: p.choice,
+                    peers: partials.map_or(0, |q| q.y),
+                    peer_pos: partials.map_or(0, |q| q.pos),
+                    peer_rows: partials.map_or(0, |q| q.rows),
+                    rank: partials.map_or(0, |q| q.rank),
+                    ranks: partials.map_or(0, |q| q.ranks),
                 };
                 let dims = (elementwise(m * h / 8), ELEMWISE_THREADS, 0);
-                self.fns.combine_rows.launch(stream, dims, true, combine)?;
+                self.fns.combine_rows.launch(stream, dims, pdl, combine)?;
             } else {
                 let convert = ConvertParams {
                     y32: out32,
@@ -491,7 +514,7 @@ impl GroupedPath {
                     y: p.y,
                     choice: p.choice,
                 };
-                self.fns.convert.launch(stream, (elementwise(m * h), ELEMWISE_THREADS, 0), true, convert)?;
+                self.fns.convert.launch(stream, (elementwise(m * h), ELEMWISE_THREADS, 0), pdl, convert)?;
             }
         }
         Ok(())

@@ -5,14 +5,43 @@ pub mod decode;
 pub mod fused;
 pub mod grouped;
 
-/// Which part of a grouped step a launch enqueues. A step split in two leaves its layout and
-/// intermediate in its scratch between `Front` (alignment, GEMM1) and `Back` (GEMM2, combine), so
-/// that another step may run between them on the other scratch ([`ScratchSlot`]).
+/// Which part of a grouped step a launch enqueues. A step split in parts leaves its layout and
+/// intermediate in its scratch between `Front` (alignment, GEMM1), `Gemm2` and `Combine`, so that
+/// another step may run between them on the other scratch ([`ScratchSlot`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Part {
     Whole,
     Front,
-    Back,
+    Gemm2,
+    /// The combine, adding other ranks' partial outputs of the step's tokens to its own sums.
+    Combine(Partials),
+}
+
+impl Part {
+    pub fn runs_front(self) -> bool {
+        matches!(self, Part::Whole | Part::Front)
+    }
+    pub fn runs_gemm2(self) -> bool {
+        matches!(self, Part::Whole | Part::Gemm2)
+    }
+    pub fn runs_combine(self) -> bool {
+        matches!(self, Part::Whole | Part::Combine(_))
+    }
+}
+
+/// Other ranks' partial outputs of a step's tokens (an expert-parallel rank's), which the combine
+/// adds to the step's own sums, each rounded to the activation dtype first, in rank order in f32:
+/// the expert-parallel combine folded into the step's last kernel, with the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Partials {
+    /// Rows in the activation dtype, `rows` per rank: rank p's at row `p * rows`.
+    pub y: u64,
+    /// `[m, ranks]`: token t's row at `t * ranks + j` in the chunk of rank (rank + j) % ranks
+    /// (j >= 1), -1 where it has none.
+    pub pos: u64,
+    pub rows: i32,
+    pub rank: i32,
+    pub ranks: i32,
 }
 
 /// One of a layer's two sets of step scratch: a step split into parts keeps the first while
