@@ -5,7 +5,8 @@
 //                   its routing rows there;
 //   moe_ep_pack     each token's activations into the slabs it goes to;
 //   moe_ep_combine  each token's partial outputs (its own experts', then each peer's) summed in
-//                   rank order in fp32: the same bits whatever the arrival order;
+//                   rank order in fp32: the same bits whatever the arrival order (a split own
+//                   launch's combine, moe_combine_rows, does the same itself);
 //   moe_route       the whole layer's router (router.cuh), for steps from logits.
 // Slab j (1 <= j < ranks) travels to rank (rank + j) % ranks and, from the receiver's side, holds
 // rows from rank (receiver - j) % ranks; slab 0 is this rank's own experts, which read x in place.
