@@ -154,7 +154,7 @@ fn distinct(ids: &[i32]) -> u32 {
 }
 
 /// `--fused-tiles`: the fused family alone with each set of tiles (warps, bi, ntok, max_tokens,
-/// depth, prefetch 0 / 1, codes a lane), every M and routing, printed (no report rows).
+/// depth, prefetch 0 / 1, codes a lane, and optionally the down split, 1 or 2), every M and routing, printed (no report rows).
 fn fused_sweep(
     dev: &Device,
     layer: &mut MoeLayer,
@@ -166,10 +166,20 @@ fn fused_sweep(
 ) {
     let h = spec.hidden() as usize;
     for t in sets {
-        let [warps, bi, ntok, max_tokens, depth, prefetch, lane_codes] = t[..] else {
-            panic!("--fused-tiles wants 7 numbers a set: {t:?}")
+        let (&[warps, bi, ntok, max_tokens, depth, prefetch, lane_codes], split) = (&t[..t.len().min(7)], t.get(7)) else {
+            panic!("--fused-tiles wants 7 or 8 numbers a set: {t:?}")
         };
-        let tiles = moe_codegen::FusedTiles { warps, bi, ntok, max_tokens, depth, prefetch: prefetch != 0, lane_codes };
+        let down_split = split.copied().unwrap_or(moe_codegen::FusedTiles::for_spec(spec).down_split);
+        let tiles = moe_codegen::FusedTiles {
+            warps,
+            bi,
+            ntok,
+            max_tokens,
+            depth,
+            prefetch: prefetch != 0,
+            lane_codes,
+            down_split,
+        };
         if let Err(e) = layer.set_fused_tiles(dev, tiles) {
             println!("{tiles:?}: {e}");
             continue;
@@ -185,7 +195,7 @@ fn fused_sweep(
                         / STEPS as f64;
                 let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / copy;
                 println!(
-                    "fused w{warps} bi{bi} nt{ntok} mt{max_tokens} d{depth} p{prefetch} l{lane_codes} {} {routing:<8} m={m:<4} {us:>8.1} us {pct:>5.1}% of copy",
+                    "fused w{warps} bi{bi} nt{ntok} mt{max_tokens} d{depth} p{prefetch} l{lane_codes} s{down_split} {} {routing:<8} m={m:<4} {us:>8.1} us {pct:>5.1}% of copy",
                     spec.weight_format()
                 );
             }
@@ -203,7 +213,7 @@ fn main() {
     let routings: Vec<String> =
         list(&args, "--routings").unwrap_or(vec!["uniform".into(), "skewed".into(), "balanced".into()]);
     let decode_max = list::<usize>(&args, "--decode-max").and_then(|v| v.first().copied()).unwrap_or(64);
-    // `--fused-tiles warps,bi,ntok,max_tokens,depth,prefetch,lane_codes[;...]`: only the fused family, with each set.
+    // `--fused-tiles warps,bi,ntok,max_tokens,depth,prefetch,lane_codes[,down_split][;...]`: only the fused family, with each set.
     let fused_tiles: Vec<Vec<u32>> = args
         .iter()
         .position(|a| a == "--fused-tiles")

@@ -31,6 +31,12 @@ pub struct FusedTiles {
     /// Codes of a row each lane takes per chunk (16 or 32, whole 16-byte vectors); a chunk is four
     /// lanes' worth, and the hidden and intermediate sizes must hold whole chunks.
     pub lane_codes: u32,
+    /// The most blocks the step's experts of one down item (16 hidden rows) are split over (1 or
+    /// 2). With 2, each step whose grid holds two blocks an SM and which touches more experts
+    /// than a block has warps splits them: block h takes the experts h, h + 2, .., twice the down
+    /// items with half the experts each, and the block that finishes a row second sums both
+    /// halves in order. Other steps run one block a row.
+    pub down_split: u32,
 }
 
 impl FusedTiles {
@@ -43,7 +49,7 @@ impl FusedTiles {
         // (docs/fused.md), and so did 32 codes a lane for fp8 and MXFP8 (the 32 bytes of a row
         // per lane that 16-bit weights take): 16 a lane, but a whole vector of 4-bit codes.
         let lane_codes = spec.weight_format().elems_per_16b().max(16);
-        FusedTiles { warps: 8, bi: 64, ntok: 32, max_tokens: 64, depth: 4, prefetch: false, lane_codes }
+        FusedTiles { warps: 8, bi: 64, ntok: 32, max_tokens: 64, depth: 4, prefetch: false, lane_codes, down_split: 2 }
     }
 }
 
@@ -112,6 +118,7 @@ struct FusedCu {
     depth: u32,
     prefetch: bool,
     lane_codes: u32,
+    down_split: u32,
     smem_bytes: u32,
     params: String,
 }
@@ -136,6 +143,7 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
         || t.lane_codes % spec.weight_format().elems_per_16b() != 0
         || spec.hidden() % (4 * t.lane_codes) != 0
         || spec.intermediate() % (4 * t.lane_codes) != 0
+        || !matches!(t.down_split, 1 | 2)
     {
         return Err(unsupported(format!("fused tiles {t:?}")));
     }
@@ -150,14 +158,15 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
     // The other families' naming (`module_name`: the dequant variant last, where the format has
     // several), with the tiles before the variant.
     let shape = format!(
-        "i{}t{}m{}d{}w{}l{}{}",
+        "i{}t{}m{}d{}w{}l{}{}{}",
         t.bi,
         t.ntok,
         t.max_tokens,
         t.depth,
         t.warps,
         t.lane_codes,
-        if t.prefetch { "p" } else { "" }
+        if t.prefetch { "p" } else { "" },
+        if t.down_split > 1 { format!("s{}", t.down_split) } else { String::new() }
     );
     let base = crate::render::module_name(family, &routed, variant);
     let name = match base.strip_suffix(&format!("_{variant}")) {
@@ -185,6 +194,7 @@ pub fn render_fused(spec: &MoeSpec, arch: Arch, t: FusedTiles) -> Result<KernelS
         depth: t.depth,
         prefetch: t.prefetch,
         lane_codes: t.lane_codes,
+        down_split: t.down_split,
         smem_bytes: fused_smem_bytes(spec, &t),
         params: crate::params::fused_decls(),
     }
@@ -236,6 +246,10 @@ mod tests {
         assert!(matches!(render_fused(&spec, Arch::Sm90a, t), Err(CodegenError::Unsupported { .. })));
         let t = FusedTiles { ntok: 40, ..FusedTiles::for_spec(&spec) };
         assert!(render_fused(&spec, Arch::Sm90a, t).is_err());
+        let t = FusedTiles { down_split: 3, ..FusedTiles::for_spec(&spec) };
+        assert!(render_fused(&spec, Arch::Sm90a, t).is_err());
+        let t = FusedTiles { down_split: 1, ..FusedTiles::for_spec(&spec) };
+        assert!(!render_fused(&spec, Arch::Sm90a, t).unwrap().name.contains("s1"));
         // 16 codes a lane are less than one 16-byte vector of 4-bit codes.
         let fp4 = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Mxfp4).build().unwrap();
         assert_eq!(FusedTiles::for_spec(&fp4).lane_codes, 32);

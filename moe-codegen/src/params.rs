@@ -292,6 +292,8 @@ kernel_params! {
         y: u64 = "act_t* __restrict__",
         done: u64 = "int* __restrict__",
         finished: u64 = "int* __restrict__",
+        dn_part: u64 = "float* __restrict__",
+        dn_count: u64 = "int* __restrict__",
         err: u64 = "int* __restrict__",
         choice: u64 = "const int* __restrict__",
         m: i32 = "int",

@@ -54,7 +54,9 @@ constexpr int UP_FRAGS = 2 * BI / 16;        // 16-row fragments of an up item: 
 constexpr int UP_RF = UP_FRAGS >= WARPS ? UP_FRAGS / WARPS : 1;
 constexpr int KSPLIT = UP_FRAGS >= WARPS ? 1 : WARPS / UP_FRAGS;
 constexpr int J_ITEMS = INTER / BI;          // up items per expert
-constexpr int DN_ITEMS = HIDDEN / 16;
+constexpr int DN_SPLIT = {{ down_split }};     // most blocks a down item's experts are split over
+constexpr int DN_ROWS = HIDDEN / 16;          // 16-row blocks of the output
+static_assert(DN_SPLIT == 1 || DN_SPLIT == 2, "a down item's experts in one or two blocks");
 static_assert(HIDDEN % CK == 0 && INTER % CK == 0 && INTER % BI == 0 && BI % 16 == 0, "whole chunks and items");
 static_assert((UP_FRAGS % WARPS == 0 || WARPS % UP_FRAGS == 0) && NTOK % 8 == 0 && NTOK <= 32,
               "the up item's fragments over the warps");
@@ -331,7 +333,10 @@ moe_fused(const __grid_constant__ FusedParams params) {
     int* last = reinterpret_cast<int*>(reinterpret_cast<char*>(smem) + ROUTING_BYTES + WORK_BYTES);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int up_items = rt.num_unique * J_ITEMS;
-    for (int it = blockIdx.x; it < up_items + DN_ITEMS; it += gridDim.x) {
+    // The down items' experts split over DN_SPLIT blocks where that takes SM slots the down rows
+    // would leave idle (at least two blocks an SM) and every half still has an expert a warp.
+    const int split = DN_SPLIT > 1 && (int)gridDim.x >= DN_SPLIT * DN_ROWS && rt.num_unique > WARPS ? DN_SPLIT : 1;
+    for (int it = blockIdx.x; it < up_items + DN_ROWS * split; it += gridDim.x) {
         if (it < up_items) {
             const int u = it % rt.num_unique, j = it / rt.num_unique;
             for (int pass = 0; pass < rt.ucnt[u]; pass += NTOK) {
@@ -345,13 +350,14 @@ moe_fused(const __grid_constant__ FusedParams params) {
             __syncthreads();
             if (threadIdx.x == 0) atomicAdd(p.done + rt.uexp[u], 1);
         } else {
-            const int r = it - up_items;
+            // Rows r, this block's share h of the experts (u = h, h + split, ..).
+            const int r = (it - up_items) / split, h = (it - up_items) % split;
             float* ys = work + warp * 16 * MAX_TOKENS;
             for (int q = lane; q < 16 * MAX_TOKENS; q += 32) ys[q] = 0.0f;
             __syncwarp();
-            if (PREFETCH && warp < rt.num_unique) prefetch_down(p, rt, warp, r);
-            for (int u = warp; u < rt.num_unique; u += WARPS) {
-                if (PREFETCH && u + WARPS < rt.num_unique) prefetch_down(p, rt, u + WARPS, r);
+            if (PREFETCH && h + split * warp < rt.num_unique) prefetch_down(p, rt, h + split * warp, r);
+            for (int u = h + split * warp; u < rt.num_unique; u += split * WARPS) {
+                if (PREFETCH && u + split * WARPS < rt.num_unique) prefetch_down(p, rt, u + split * WARPS, r);
                 if (lane == 0)
                     while (ld_acquire(p.done + rt.uexp[u]) < J_ITEMS) __nanosleep(64);
                 __syncwarp();
@@ -363,11 +369,34 @@ moe_fused(const __grid_constant__ FusedParams params) {
                 }
             }
             __syncthreads();
+            if (split > 1) {
+                // This half's sums to dn_part [r][h][t][16]; the block that counts the row's
+                // last half adds the halves in order (its own included, read back the same way).
+                float* part = p.dn_part + (long)(r * DN_SPLIT + h) * MAX_TOKENS * 16;
+                for (int q = threadIdx.x; q < 16 * p.m; q += THREADS) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < WARPS; ++w) v += work[(w * 16 + q % 16) * MAX_TOKENS + q / 16];
+                    part[q] = v;
+                }
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) last[1] = atomicAdd(p.dn_count + r, 1) == DN_SPLIT - 1;
+                __syncthreads();
+                if (!last[1]) continue;
+                __threadfence();
+                if (threadIdx.x == 0) p.dn_count[r] = 0;  // both halves are in: reset for the next launch
+            }
             for (int q = threadIdx.x; q < 16 * p.m; q += THREADS) {
                 const int t = q / 16, hr = 16 * r + q % 16;
                 float v = 0.0f;
+                if (split > 1) {
 #pragma unroll
-                for (int w = 0; w < WARPS; ++w) v += work[(w * 16 + q % 16) * MAX_TOKENS + t];
+                    for (int hh = 0; hh < DN_SPLIT; ++hh) v += __ldcg(p.dn_part + (long)(r * DN_SPLIT + hh) * MAX_TOKENS * 16 + q);
+                } else {
+#pragma unroll
+                    for (int w = 0; w < WARPS; ++w) v += work[(w * 16 + q % 16) * MAX_TOKENS + t];
+                }
                 if constexpr (HAS_BIAS) {
                     for (int s = 0; s < TOP_K; ++s) {
                         const int id = __ldg(p.topk_ids + t * TOP_K + s);

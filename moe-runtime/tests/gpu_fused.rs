@@ -139,3 +139,31 @@ fn fp16_step(layer: &MoeLayer, x: &[f32], ids: &[i32], rw: &[f32]) -> Vec<f32> {
     layer.forward_family(KernelFamily::Fused, &dx, &dids, &dw, &mut y).unwrap();
     s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect()
 }
+
+/// The down items' experts in one block or split over two (`FusedTiles::down_split`), the second
+/// block to finish a row summing both halves: the same reference either way, graph replays bit
+/// for bit. The split runs where the grid holds two blocks an SM (fp8 on an H100 or H200) and
+/// the step touches more experts than a block has warps (here every step but one token's).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn down_items_in_one_block_or_split_over_two() {
+    let dev = gpu();
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let w = random_weights(&spec, fresh_seed());
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(false);
+        let base = moe_codegen::FusedTiles::for_spec(&spec);
+        for down_split in [1, 2] {
+            layer.set_fused_tiles(&dev, moe_codegen::FusedTiles { down_split, ..base }).unwrap();
+            for (m, skew) in [(1usize, 0.0), (3, 0.85), (8, 0.85), (40, 0.0), (100, 0.85)] {
+                let seed = fresh_seed();
+                let (x, ids, rw) = random_step(&spec, m, skew, seed);
+                let got = fused_step(&layer, &x, &ids, &rw, false);
+                let what = format!("down_split={down_split} m={m} skew={skew} seed={seed}");
+                check(&spec, &got, &moe_forward(&spec, &w, &x, &ids, &rw), &what);
+                assert_eq!(got, fused_step(&layer, &x, &ids, &rw, true), "{what}: a graph replay differs");
+            }
+        }
+    }
+}

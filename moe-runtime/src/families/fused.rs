@@ -24,6 +24,11 @@ pub(crate) struct FusedFamily {
     /// block of a launch resets them).
     done: CudaSlice<i32>,
     finished: CudaSlice<i32>,
+    /// With the down items split (`FusedTiles::down_split`): each half's sums `[rows / 16][split]
+    /// [max_tokens][16]`, and per 16 rows the halves in; zero between launches (the block that
+    /// finishes a row resets its count).
+    dn_part: CudaSlice<f32>,
+    dn_count: CudaSlice<i32>,
     stream: Arc<CudaStream>,
 }
 
@@ -63,6 +68,12 @@ impl FusedFamily {
             mid: stream.alloc_zeros::<u16>(pairs * spec.intermediate() as usize)?,
             done: stream.alloc_zeros::<i32>(spec.experts() as usize)?,
             finished: stream.alloc_zeros::<i32>(1)?,
+            dn_part: stream.alloc_zeros::<f32>(if tiles.down_split > 1 {
+                (tiles.down_split * tiles.max_tokens * spec.hidden()) as usize
+            } else {
+                1
+            })?,
+            dn_count: stream.alloc_zeros::<i32>((spec.hidden() / 16) as usize)?,
             stream,
         };
         tracing::debug!(grid = fam.grid, smem, ?tiles, "fused family loaded");
@@ -101,6 +112,8 @@ impl FusedFamily {
                 y: p.y + s * h * act,
                 done: ptr(&self.done, &self.stream),
                 finished: ptr(&self.finished, &self.stream),
+                dn_part: ptr(&self.dn_part, &self.stream),
+                dn_count: ptr(&self.dn_count, &self.stream),
                 err: p.errors,
                 choice: p.choice,
                 m: n as i32,
