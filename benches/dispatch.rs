@@ -166,7 +166,8 @@ fn fused_sweep(
 ) {
     let h = spec.hidden() as usize;
     for t in sets {
-        let (&[warps, bi, ntok, max_tokens, depth, prefetch, lane_codes], split) = (&t[..t.len().min(7)], t.get(7)) else {
+        let (&[warps, bi, ntok, max_tokens, depth, prefetch, lane_codes], split) = (&t[..t.len().min(7)], t.get(7))
+        else {
             panic!("--fused-tiles wants 7 or 8 numbers a set: {t:?}")
         };
         let down_split = split.copied().unwrap_or(moe_codegen::FusedTiles::for_spec(spec).down_split);
