@@ -59,24 +59,39 @@ __device__ __forceinline__ uint4 wq_lds128(unsigned addr) {
 
 
 // A stage's A fragments of a thread: its vector of each of its rows (row + 16 mf + 8 h, in the
-// stage's weight tile at sw), decoded; slot pair q of row h in a[mf][h][q].
+// stage's weight tile at sw), decoded word by word; slot pair q of row h in a[mf][h][q]. The first
+// token fragment's MMAs (b0: its W_VEC / 2 activation pairs) run as each word is decoded, so
+// their dependent chain overlaps the decode rather than waiting at the end of the stage.
 template <bool BIG, int MF, int NWORDS>
 __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, const WScale (&ws)[MF][2],
-                                                unsigned (&a)[MF][2][NWORDS]) {
+                                                unsigned (&a)[MF][2][NWORDS], const unsigned (&b0)[NWORDS],
+                                                float (&acc0)[MF][4]) {
+    uint4 v[MF][2];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 v = wq_lds128(sw + (row + 16 * mf + 8 * h) * 64 + 16 * c);
-            const unsigned words[4] = {v.x, v.y, v.z, v.w};
+        for (int h = 0; h < 2; ++h) v[mf][h] = wq_lds128(sw + (row + 16 * mf + 8 * h) * 64 + 16 * c);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned word = i == 0 ? v[mf][h].x : i == 1 ? v[mf][h].y : i == 2 ? v[mf][h].z : v[mf][h].w;
                 unsigned pr[WQ_PAIRS];
-                wq_decode(BIG, words[i], ws[mf][h], group_scale(ws[mf][h], i * W_GROUPS / 4), pr);
+                wq_decode(BIG, word, ws[mf][h], group_scale(ws[mf][h], i * W_GROUPS / 4), pr);
 #pragma unroll
                 for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
             }
-        }
+        // The k16 steps this word completes: pairs 2 st and 2 st + 1 of both rows.
+#pragma unroll
+        for (int st = i * WQ_PAIRS / 2; st < (i + 1) * WQ_PAIRS / 2; ++st)
+#pragma unroll
+            for (int mf = 0; mf < MF; ++mf) {
+                const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1], a[mf][1][2 * st + 1]};
+                mma_16x8(acc0[mf], af, b0[2 * st], b0[2 * st + 1]);
+            }
+    }
 }
 
 // The mainloop and epilogue call of one GEMM over its work items (grid-stride). wrow(it, R): the
@@ -175,19 +190,34 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
 #pragma unroll
                 for (int h = 0; h < 2; ++h) big |= wq_big(group_scale(ws.s[mf][h], 0));
         }
-        if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a);
-        else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a);
         // B: the same W_VEC activations of each live token, stored paired as the slots are.
-#pragma unroll
-        for (int nf = 0; nf < S::NF; ++nf) {
-            if (nf >= live) break;
+        auto load_b = [&](int nf, unsigned (&x)[W_VEC / 2]) {
             const int r = tok0 + 8 * nf + g;
-            unsigned x[W_VEC / 2];
 #pragma unroll
             for (int i = 0; i < W_VEC / 8; ++i) {
                 const uint4 v = wq_lds128(sx + r * WQ_X_ROW + (wq_x_chunk(r, (W_VEC / 8) * c + i) << 4));
                 x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
             }
+        };
+        // The first fragment (live whenever the warp is busy) with the decode; the others after.
+        unsigned x0[W_VEC / 2];
+        load_b(0, x0);
+        float acc0[S::MF][4];
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc0[mf][i] = acc[mf][0][i];
+        if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a, x0, acc0);
+        else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a, x0, acc0);
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mf][0][i] = acc0[mf][i];
+#pragma unroll
+        for (int nf = 1; nf < S::NF; ++nf) {
+            if (nf >= live) break;
+            unsigned x[W_VEC / 2];
+            load_b(nf, x);
 #pragma unroll
             for (int st = 0; st < NWORDS / 2; ++st) {
                 const unsigned b0 = x[2 * st], b1 = x[2 * st + 1];
