@@ -188,7 +188,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
 #pragma unroll
             for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) big |= wq_big(group_scale(ws.s[mf][h], 0));
+                for (int h = 0; h < 2; ++h) big |= wq_big(ws.s[mf][h]);
         }
         // B: the same W_VEC activations of each live token, stored paired as the slots are.
         auto load_b = [&](int nf, unsigned (&x)[W_VEC / 2]) {

@@ -95,7 +95,7 @@ __device__ __forceinline__ void wsq_decode_part(const WScale* sc, int q0, unsign
     bool big = false;
     if constexpr (WQ_BIG_SCALES)
 #pragma unroll
-        for (int j = 0; j < NV; ++j) big |= wq_big(group_scale(sc[j], 0));
+        for (int j = 0; j < NV; ++j) big |= wq_big(sc[j]);
     if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wsq_decode_vecs<true, NV, STRIDE>(sc, q0, src, dst);
     else wsq_decode_vecs<false, NV, STRIDE>(sc, q0, src, dst);
 }

@@ -17,6 +17,14 @@ static_assert(WQ_BITS == 4 || WQ_BITS == 8, "4- or 8-bit codes");
 // (at most 448 times 2^110) never do.
 constexpr bool WQ_BIG_SCALES = WQ_BF16 && {{ fmt.codec == "e2m1" && fmt.scales != "nvfp4" }};
 __device__ __forceinline__ bool wq_big(float s) { return !(s * __int_as_float(0x7e800000) < 1.6e38f); }
+// The same test on a group's scale as stored: an e8m0 code of 128 or more is a scale of 2 or more.
+__device__ __forceinline__ bool wq_big(const WScale& ws) {
+{%- if fmt.scales == "e8m0" %}
+    return ws.e >= 128u;
+{%- else %}
+    return wq_big(group_scale(ws, 0));
+{%- endif %}
+}
 // Per-channel asymmetric int4 (one fp16 scale and zero point per row): the scale is applied to
 // the row's sums in the epilogue, in fp32, so that n - z reaches the tensor cores exact rather
 // than each weight's (n - z) s being rounded to bf16 (which cost about 1.5e-3 of rel L2).
@@ -133,7 +141,12 @@ __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws
 #pragma unroll
             for (int p = 0; p < 4; ++p) out[p] = act2_mul(act2_mul(v[p], up), sx);
         } else {
+{%- if fmt.scales == "e8m0" %}
+            // s 2^126 = 2^(e - 1) as a bf16 pair straight from the code (e < 128 here; WQ_UNIT 1).
+            const unsigned s2 = ws.e * 0x00800080u + 0x3f003f00u;
+{%- else %}
             const unsigned s2 = act2_splat(s * (__int_as_float(0x7e800000) / WQ_UNIT));  // s 2^126 / WQ_UNIT
+{%- endif %}
 #pragma unroll
             for (int p = 0; p < 4; ++p) out[p] = act2_mul(v[p], s2);
         }
