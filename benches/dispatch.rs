@@ -254,7 +254,15 @@ fn main() {
             };
             let mut model = if profiled {
                 let p = moe_runtime::dispatch::profile(&mut layer).unwrap();
-                println!("profile: {:?} ({} samples)", p.model, p.samples.len());
+                println!(
+                    "profile: {:?}, large steps from {:?} ({} samples)",
+                    p.model,
+                    p.large_step_tokens,
+                    p.samples.len()
+                );
+                if let Some(t) = p.large_step_tokens {
+                    layer.set_large_step_tokens(t);
+                }
                 p.model
             } else {
                 analytic

@@ -2,13 +2,15 @@
 //! align, GEMM1 + SwiGLU, GEMM2 + routing weight, combine, as one CUDA-graph replay.
 //!
 //! `cargo bench --bench prefill -- [--report FILE] [--geometries qwen3-30b-a3b,mixtral-8x7b]
-//! [--formats bf16,fp8_e4m3] [--ms 64,256] [--atomic]` prints a table and appends one JSON
+//! [--formats bf16,fp8_e4m3] [--ms 64,256] [--atomic] [--profile]` prints a table and appends one JSON
 //! object per row to FILE. TFLOP/s counts 2 * M * top_k * 3 * H * I. The ceilings, measured in the
 //! same run on random operands (zeros clock higher at the power limit), are dense 8192^3 matmuls:
 //! bf16 through cuBLAS, and e4m3 x e4m3 -> bf16 through cuBLASLt (TN, fp32 compute, fast
 //! accumulation). A row's `pct_of_dense` divides by the ceiling of its precision (`dense_precision`:
 //! fp8 weights against the e4m3 one, 16-bit against bf16); a ceiling that fails leaves its fields
-//! null and its error in the row (`dense_error`) rather than stopping the run. `--dense-only`
+//! null and its error in the row (`dense_error`) rather than stopping the run. `--profile` first
+//! fits each layer's dispatch profile (`moe_runtime::dispatch::profile`) and takes its start of the
+//! large-step tiles (each row's `large_step_tokens`). `--dense-only`
 //! measures the ceilings and exits. Uniform routing draws each token's
 //! experts at random; skewed routing sends ~85% of assignments to the top eighth of the experts
 //! (at least top_k of them). `--routings uniform,skewed,balanced` picks the routings; balanced
@@ -334,6 +336,14 @@ fn main() {
             layer.set_validate_routing(false);
             layer.set_prefill_threshold(1);
             layer.set_deterministic(deterministic);
+            if args.iter().any(|a| a == "--profile") {
+                let p = moe_runtime::dispatch::profile(&mut layer).unwrap();
+                println!("{geo} {format}: profiled, large-step tiles from {:?} tokens", p.large_step_tokens);
+                if let Some(t) = p.large_step_tokens {
+                    layer.set_large_step_tokens(t);
+                }
+                layer.set_prefill_threshold(1);
+            }
             let defaults = layer.grouped_tiles().expect("grouped family");
             // None: the layer's own tiles (which may change with M: large_step_tiles).
             let mut tilings: Vec<Option<GemmTiles>> =
@@ -397,6 +407,7 @@ fn main() {
                                 "m": m,
                                 "routing": routing,
                                 "tiles": tname,
+                                "large_step_tokens": layer.large_step_tokens(),
                                 "combine": if deterministic { "rows" } else { "atomic" },
                                 "median_us": (us * 1000.0).round() / 1000.0,
                                 "tflops": (tflops * 10.0).round() / 10.0,

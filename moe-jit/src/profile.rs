@@ -61,6 +61,8 @@ pub fn profile(cache: &DiskCache, specs: &[MoeSpec]) -> ExitCode {
                     format!(", fused {:.2} + {:.3} D + {:.3} P us", f.c0, f.per_expert, f.per_pair)
                 });
                 let one = m.one_token.map_or(String::new(), |f| format!(", one token: {f}"));
+                let one =
+                    one + &p.large_step_tokens.map_or(String::new(), |t| format!(", large-step tiles from {t} tokens"));
                 println!(
                     "{}: warp decode {:.2} + {:.3} D + {:.3} P us, grouped {:.2} + {:.3} D + {:.3} P us{fused}{one}, device choice {:.1} us; \
                      {} samples in {:.1} s (load {:.1} s) -> {}",

@@ -239,6 +239,7 @@ impl MoeLayer {
         let on_device = weights.into_device(&stream)?;
         let [w13, w13_scales, w2, w2_scales] = on_device.mats;
         let fused_ok = fused.is_ok();
+        let profile = profiled(device, &spec, &kspec);
         let layer = MoeLayer {
             spec,
             kspec,
@@ -256,10 +257,10 @@ impl MoeLayer {
             validate_routing: cfg!(debug_assertions),
             decode,
             grouped,
-            grouped_large: large.map(|g| (large_step_tokens(&kspec), g)),
+            grouped_large: large.map(|g| (profile.large_step_tokens.unwrap_or_else(|| large_step_tokens(&kspec)), g)),
             fused,
             prefill_threshold: DEFAULT_PREFILL_THRESHOLD,
-            dispatch: grouped_ok.then(|| dispatch_model_for(device, &spec, &kspec)).map(|m| m.restricted(fused_ok)),
+            dispatch: grouped_ok.then_some(profile.model).map(|m| m.restricted(fused_ok)),
             choice: stream.alloc_zeros::<i32>(8)?,
             last_plan: Mutex::new(None),
             deterministic: true,
@@ -461,6 +462,22 @@ impl MoeLayer {
     /// The grouped family's tiles, if the layer has that family.
     pub fn grouped_tiles(&self) -> Option<moe_codegen::GemmTiles> {
         self.grouped.as_ref().ok().map(|g| g.tiles)
+    }
+
+    /// The step size from which grouped steps take the large-step tiles
+    /// (`moe_codegen::heuristics::large_step_tokens`, or what a dispatch profile measured), or
+    /// `None` where the layer has no such tiles.
+    pub fn large_step_tokens(&self) -> Option<usize> {
+        self.grouped_large.as_ref().map(|(from, _)| *from)
+    }
+
+    /// Take the large-step tiles from steps of `tokens` (at least 1) on; nothing where the layer
+    /// has no such tiles. Steps captured in a graph before keep the tiles they were captured with,
+    /// and a step size newly on the other tiles needs [`MoeLayer::reserve`] again before capture.
+    pub fn set_large_step_tokens(&mut self, tokens: usize) {
+        if let Some((from, _)) = &mut self.grouped_large {
+            *from = tokens.max(1);
+        }
     }
 
     /// The tiles a grouped step of `m` tokens runs with: the large-step tiles from their step
@@ -901,20 +918,28 @@ impl MoeLayer {
     }
 }
 
-/// The dispatcher's models for a layer: the profile saved for this GPU, spec and version under the
-/// kernel cache (`moe-jit profile`), else the analytic fallback. A profile that cannot be read is
-/// reported and passed over, as a corrupt kernel cache entry is.
-fn dispatch_model_for(device: &Device, spec: &MoeSpec, kspec: &MoeSpec) -> DispatchModel {
+/// What a layer takes from its dispatch profile: the dispatcher's models and where the large-step
+/// tiles start.
+struct Profiled {
+    model: DispatchModel,
+    large_step_tokens: Option<usize>,
+}
+
+/// The profile saved for this GPU, spec and version under the kernel cache (`moe-jit profile`),
+/// else the analytic models and the heuristic start of the large-step tiles. A profile that
+/// cannot be read is reported and passed over, as a corrupt kernel cache entry is.
+fn profiled(device: &Device, spec: &MoeSpec, kspec: &MoeSpec) -> Profiled {
+    let analytic = || Profiled { model: DispatchModel::analytic(kspec, device.dram_gbps()), large_step_tokens: None };
     match crate::dispatch::DispatchProfile::load(device.cache_dir(), &device.name(), spec) {
         Ok(Some(p)) => {
-            tracing::info!(model = ?p.model, "dispatch profile loaded");
-            p.model
+            tracing::info!(model = ?p.model, large_step_tokens = ?p.large_step_tokens, "dispatch profile loaded");
+            Profiled { model: p.model, large_step_tokens: p.large_step_tokens }
         }
-        Ok(None) => DispatchModel::analytic(kspec, device.dram_gbps()),
+        Ok(None) => analytic(),
         Err(e) => {
             tracing::warn!(%e, "dispatch profile passed over; the analytic models dispatch");
             eprintln!("moeforge: {e}; dispatching with the analytic models");
-            DispatchModel::analytic(kspec, device.dram_gbps())
+            analytic()
         }
     }
 }

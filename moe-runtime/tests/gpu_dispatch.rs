@@ -242,6 +242,8 @@ fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
         assert!(err < 0.3, "{s:?}: predicted {} us", c.predict(s.distinct, s.pairs));
     }
     assert!(p.model.overhead_us >= 0.0 && p.model.overhead_us < 50.0, "{:?}", p.model);
+    // bf16 weights have no large-step tiles to place.
+    assert_eq!((p.large_step_tokens, layer.large_step_tokens()), (None, None));
     // One token takes the family of least median time over the profile's one-token steps.
     let one = p.model.one_token.expect("every family was timed at one token");
     assert_eq!(p.model.fixed_choice(1, 8, 128), Some(one));
@@ -260,4 +262,42 @@ fn a_profile_fits_the_timed_steps_and_later_loads_use_it() {
     std::fs::write(&path, "{\"device\": 1").unwrap();
     let third = MoeLayer::load(&dev, spec, &w).unwrap();
     assert_eq!(third.dispatch_model().unwrap().source, ModelSource::Analytic);
+}
+
+/// Weights decoded in registers have a second set of grouped tiles for large steps: the profile
+/// times both around the heuristic's start and places the start where the large tiles stay
+/// ahead; later loads take it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_profile_places_the_start_of_the_large_step_tiles() {
+    let cache = tempfile::tempdir().unwrap();
+    let dev = gpu().with_cache(moe_runtime::DiskCache::new(cache.path()));
+    let spec = MoeSpec::builder(1024, 512, 64, 8).weight_format(WeightFormat::Int8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    let heuristic = layer.large_step_tokens().expect("int8 on sm_90a has large-step tiles");
+    assert_eq!(heuristic, 512);
+    let p = moe_runtime::dispatch::profile(&mut layer).unwrap();
+    let start = p.large_step_tokens.expect("timed");
+    println!("large-step tiles from {start} tokens (heuristic {heuristic})");
+    // One of the sizes timed (half to four times the heuristic's), or one past the last.
+    assert!([256, 384, 512, 768, 1024, 2048, 2049].contains(&start), "{start}");
+    // The layer's own start is left as it was.
+    assert_eq!(layer.large_step_tokens(), Some(heuristic));
+    p.save(dev.cache_dir(), &spec).unwrap();
+    let mut again = MoeLayer::load(&dev, spec, &w).unwrap();
+    assert_eq!(again.large_step_tokens(), Some(start));
+    let large = |l: &MoeLayer, m: usize| l.grouped_tiles_for(m).unwrap().warp_specialized;
+    assert!(large(&again, start) && !large(&again, start - 1));
+    // Moved by hand, and correct on both sides of the move.
+    again.set_large_step_tokens(300);
+    assert!(large(&again, 300) && !large(&again, 299));
+    again.set_validate_routing(false);
+    for m in [299, 300] {
+        let (x, ids, rw) = random_step(&spec, m, 0.5, fresh_seed());
+        let want = reference(&spec, &w, KernelFamily::GroupedGemm, &x, &ids, &rw);
+        let got = step(&again, &x, &ids, &rw, false);
+        let (rel, cos) = compare(&got, &want);
+        assert!(rel < 5e-3 && cos > 0.99999, "m={m}: rel {rel:.3e} cos {cos:.8}");
+    }
 }

@@ -45,6 +45,10 @@ pub struct DispatchProfile {
     pub version: String,
     /// The fitted models (with the measured device-dispatch cost).
     pub model: DispatchModel,
+    /// The step size from which the grouped family's large-step tiles ran at least as fast as its
+    /// default ones at every larger size timed ([`large_step_start`]); `None` where the layer has
+    /// no such tiles (the heuristic's start then stands).
+    pub large_step_tokens: Option<usize>,
     /// The timed steps.
     pub samples: Vec<Sample>,
 }
@@ -105,6 +109,7 @@ impl DispatchProfile {
             "fused": self.model.fused.as_ref().map(cost),
             "one_token": self.model.one_token.map(|f| f.name()),
             "overhead_us": self.model.overhead_us,
+            "large_step_tokens": self.large_step_tokens,
             "samples": samples,
         })
         .to_string()
@@ -136,6 +141,16 @@ impl DispatchProfile {
                 n.as_str().and_then(family_named).ok_or_else(|| corrupt(format!("`one_token` {n} names no family")))?,
             ),
         };
+        // Absent or null: profiled before the large-step start was measured, or without such tiles.
+        let large_step_tokens = match &v["large_step_tokens"] {
+            serde_json::Value::Null => None,
+            n => Some(
+                n.as_u64()
+                    .filter(|&t| t > 0)
+                    .ok_or_else(|| corrupt(format!("`large_step_tokens` {n} is not a positive count")))?
+                    as usize,
+            ),
+        };
         let mut samples = Vec::new();
         for s in v["samples"].as_array().ok_or_else(|| corrupt("no `samples` array".into()))? {
             let Some(family) = s[0].as_str().and_then(family_named) else {
@@ -158,6 +173,7 @@ impl DispatchProfile {
                 overhead_us: overhead as f32,
                 source: ModelSource::Profile,
             },
+            large_step_tokens,
             samples,
         })
     }
@@ -332,16 +348,77 @@ fn dispatch_costs(layer: &mut MoeLayer, g: &mut Gen, free: DispatchModel) -> Res
     Ok(costs)
 }
 
+/// Where the large-step tiles should start, from whether they were the better choice against the
+/// default tiles at each of the ascending step sizes `grid` (no worse a worst relative regret
+/// over uniform and skewed routing): the first size from which they were at every larger one,
+/// else one past the last.
+pub fn large_step_start(grid: &[usize], large_wins: &[bool]) -> usize {
+    assert_eq!(grid.len(), large_wins.len(), "one verdict per step size");
+    (0..grid.len()).find(|&i| large_wins[i..].iter().all(|&w| w)).map_or(grid.last().map_or(1, |&m| m + 1), |i| grid[i])
+}
+
+/// The grouped family's large-step tiles against its default ones at half to four times the
+/// heuristic's start (`moe_codegen::heuristics::large_step_tokens`), uniform and skewed routing
+/// (85% of each token's experts from the first eighth):
+/// the start [`large_step_start`] picks, or `None` where the layer has no large-step tiles. The
+/// right start depends on the format, the geometry and the GPU (an H200: per-channel int8 on
+/// Qwen3-30B-A3B 11-23% faster on the large tiles at 768 and 896 tokens, below the heuristic's
+/// 1024; MXFP8 and gpt-oss-20b's 8-bit formats 4-60% slower on them at the sizes that start
+/// would have given them; docs/dispatch.md).
+fn measure_large_step_start(layer: &mut MoeLayer, g: &mut Gen) -> Result<Option<usize>> {
+    let Some(heuristic) = layer.large_step_tokens() else { return Ok(None) };
+    let grid: Vec<usize> = [2, 3, 4, 6, 8, 16].iter().map(|q| (heuristic * q / 4).max(1)).collect();
+    let mut wins = Vec::new();
+    for &m in &grid {
+        // Each tile set's worst relative regret over the two routings, as the host weighs families.
+        let (mut large_regret, mut default_regret) = (0.0f64, 0.0f64);
+        for r in [Routing::Skew(0.0), Routing::Skew(0.85)] {
+            let st = steps(layer, g, r, m)?;
+            let mut on = |from: usize| -> Result<f64> {
+                layer.set_large_step_tokens(from);
+                layer.reserve(m)?;
+                time(layer, Some(KernelFamily::GroupedGemm), &st)
+            };
+            // Each twice, interleaved, the better median kept: near the crossover the two differ
+            // by a few percent, about what one timing's interference is.
+            let (d1, l1, d2, l2) = (on(m + 1)?, on(1)?, on(m + 1)?, on(1)?);
+            let (default, large) = (d1.min(d2), l1.min(l2));
+            large_regret = large_regret.max(large / default - 1.0);
+            default_regret = default_regret.max(default / large - 1.0);
+        }
+        wins.push(large_regret <= default_regret);
+    }
+    let start = large_step_start(&grid, &wins);
+    tracing::info!(?grid, ?wins, start, "large-step tiles timed");
+    Ok(Some(start))
+}
+
 /// Time every family over the profile's grid on this GPU with the layer's weights, fit the
-/// dispatcher's models and measure what choosing on the device costs. The layer's threshold and
-/// dispatcher are restored, not changed: set the result with `set_dispatch_model` (or save it,
-/// and later loads pick it up). About 10 s on an H200 for Qwen3-30B-A3B (compiles excluded).
+/// dispatcher's models, measure what choosing on the device costs and, where the grouped family
+/// has large-step tiles, where they should start. The layer's threshold, dispatcher and
+/// large-step start are restored, not changed: set the result with `set_dispatch_model` and
+/// `set_large_step_tokens` (or save it, and later loads pick it up). About 10 s on an H200 for
+/// Qwen3-30B-A3B bf16 (compiles excluded); formats with large-step tiles add their timing at
+/// up to four times the heuristic's start (4096 tokens there).
 pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     if let Err(why) = layer.grouped_available() {
         return Err(RuntimeError::FamilyUnavailable { family: KernelFamily::GroupedGemm, why: why.into() });
     }
+    let saved = (layer.prefill_threshold(), layer.dispatch_model(), layer.large_step_tokens());
+    let result = profile_steps(layer);
+    // The layer's own settings back, whatever the measurements gave.
+    layer.set_prefill_threshold(saved.0);
+    layer.set_dispatch_model(saved.1);
+    if let Some(from) = saved.2 {
+        layer.set_large_step_tokens(from);
+    }
+    result
+}
+
+fn profile_steps(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     let spec = *layer.spec();
-    let (threshold, before) = (layer.prefill_threshold(), layer.dispatch_model());
+    // Warp decode's scratch covers the steps the profile times whatever the layer's threshold.
+    layer.set_prefill_threshold(DEFAULT_PREFILL_THRESHOLD);
     layer.reserve(*PROFILE_TOKENS.iter().max().expect("tokens"))?;
     let mut g = Gen(0x9e37_79b9_7f4a_7c15);
     let mut samples = Vec::new();
@@ -362,13 +439,9 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
     let fit = DispatchModel::fit(&samples).map_err(|e: ModelFitError| RuntimeError::Profile(e.to_string()))?;
     // What the device's choice costs: dispatched steps against the same steps on the family chosen.
     let free = DispatchModel { overhead_us: 0.0, ..fit };
-    layer.set_prefill_threshold(DEFAULT_PREFILL_THRESHOLD);
     layer.set_dispatch_model(Some(free));
-    let measured = dispatch_costs(layer, &mut g, free);
-    // The layer's own settings back, whatever the measurement gave.
-    layer.set_prefill_threshold(threshold);
-    layer.set_dispatch_model(before);
-    let mut costs = measured?;
+    let mut costs = dispatch_costs(layer, &mut g, free)?;
+    let large_step_tokens = measure_large_step_start(layer, &mut g)?;
     costs.sort_by(f32::total_cmp);
     let overhead_us = costs.get(costs.len() / 2).map_or(fit.overhead_us, |c| c.max(0.0));
     let device = layer.stream().context().name().unwrap_or_else(|_| "unknown".into());
@@ -378,6 +451,7 @@ pub fn profile(layer: &mut MoeLayer) -> Result<DispatchProfile> {
         spec_id: spec.id(),
         version: env!("CARGO_PKG_VERSION").into(),
         model: DispatchModel { overhead_us, ..fit },
+        large_step_tokens,
         samples,
     })
 }
@@ -402,6 +476,7 @@ mod tests {
                 overhead_us: 9.9,
                 source: ModelSource::Profile,
             },
+            large_step_tokens: Some(768),
             samples: vec![Sample { family: KernelFamily::GroupedGemm, m: 8, distinct: 22, pairs: 64, us: 86.5 }],
         };
         (spec, p)
@@ -421,6 +496,23 @@ mod tests {
         assert_ne!(old, p.to_json());
         let read = DispatchProfile::from_json(&old, &path).unwrap();
         assert_eq!(read.model, DispatchModel { one_token: None, ..p.model });
+        // Nor one from before the large-step start was measured.
+        let old = p.to_json().replacen("\"large_step_tokens\":768,", "", 1);
+        assert_ne!(old, p.to_json());
+        assert_eq!(DispatchProfile::from_json(&old, &path).unwrap().large_step_tokens, None);
+    }
+
+    #[test]
+    fn the_large_step_tiles_start_where_they_stay_ahead() {
+        let grid = [512, 768, 1024, 1536, 2048, 4096];
+        let t = true;
+        let f = false;
+        assert_eq!(large_step_start(&grid, &[f, t, t, t, t, t]), 768);
+        assert_eq!(large_step_start(&grid, &[t, t, t, t, t, t]), 512);
+        // A win below a loss does not count: the tiles must stay ahead from their start on.
+        assert_eq!(large_step_start(&grid, &[t, f, t, f, t, t]), 2048);
+        assert_eq!(large_step_start(&grid, &[t, t, t, t, t, f]), 4097);
+        assert_eq!(large_step_start(&grid, &[f; 6]), 4097);
     }
 
     #[test]
@@ -432,7 +524,9 @@ mod tests {
         let no_overhead = json.replacen("\"overhead_us\":", "\"overhead_us\":null,\"was\":", 1);
         let odd_family = json.replacen("\"one_token\":\"fused\"", "\"one_token\":\"fastest\"", 1);
         assert_ne!(odd_family, json);
-        for bad in [&json[..json.len() / 2], "[]", &no_overhead, &odd_family] {
+        let no_start = json.replacen("\"large_step_tokens\":768", "\"large_step_tokens\":0", 1);
+        assert_ne!(no_start, json);
+        for bad in [&json[..json.len() / 2], "[]", &no_overhead, &odd_family, &no_start] {
             std::fs::write(&path, bad).unwrap();
             let e = DispatchProfile::load(dir.path(), &p.device, &spec).unwrap_err();
             assert!(matches!(e, ProfileError::Corrupt { .. }), "{bad}: {e}");
