@@ -363,8 +363,9 @@ pub fn large_step_start(grid: &[usize], large_wins: &[bool]) -> usize {
 /// the start [`large_step_start`] picks, or `None` where the layer has no large-step tiles. The
 /// right start depends on the format, the geometry and the GPU (an H200: per-channel int8 on
 /// Qwen3-30B-A3B 11-23% faster on the large tiles at 768 and 896 tokens, below the heuristic's
-/// 1024; MXFP8 and gpt-oss-20b's 8-bit formats 4-60% slower on them at the sizes that start
-/// would have given them; docs/dispatch.md).
+/// 1024, while MXFP8 on every reference geometry and gpt-oss-20b's int8 and fp8 ran up to 60%
+/// slower on them at the sizes a start of 48 pairs an expert would have given them;
+/// docs/dispatch.md).
 fn measure_large_step_start(layer: &mut MoeLayer, g: &mut Gen) -> Result<Option<usize>> {
     let Some(heuristic) = layer.large_step_tokens() else { return Ok(None) };
     let grid: Vec<usize> = [2, 3, 4, 6, 8, 16].iter().map(|q| (heuristic * q / 4).max(1)).collect();
