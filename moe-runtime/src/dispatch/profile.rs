@@ -45,9 +45,9 @@ pub struct DispatchProfile {
     pub version: String,
     /// The fitted models (with the measured device-dispatch cost).
     pub model: DispatchModel,
-    /// The step size from which the grouped family's large-step tiles ran at least as fast as its
-    /// default ones at every larger size timed ([`large_step_start`]); `None` where the layer has
-    /// no such tiles (the heuristic's start then stands).
+    /// The step size from which the grouped family's large-step tiles were the better choice
+    /// against its default ones at every larger size timed ([`large_step_start`]); `None` where
+    /// the layer has no such tiles (the heuristic's start then stands).
     pub large_step_tokens: Option<usize>,
     /// The timed steps.
     pub samples: Vec<Sample>,
