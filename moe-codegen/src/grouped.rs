@@ -258,6 +258,15 @@ impl GemmTiles {
         self.stages * (self.bm + ext + bn) * BK_BYTES + 1024 + ws
     }
 
+    /// Whether these tiles take column widths other than 64, 128 and 256 (any multiple of 16 up
+    /// to 256): 16-bit weights on the warp-specialised wgmma pipeline, whose MMAs, boxes and
+    /// epilogues take any multiple of 8 columns. fp8's 128-column scale blocks and the decoding
+    /// producer's vector split keep the powers of two.
+    pub fn takes_any_width(&self, spec: &MoeSpec) -> bool {
+        let spec = &spec.kernel_spec();
+        self.warp_specialized && self.mma == Mma::Wgmma && !quantizes_activations(spec) && !decodes_weights(spec)
+    }
+
     /// Whether GEMM1 quantizes the intermediate to e4m3 itself (fp8, warp-specialised, 128
     /// intermediate columns per tile: one scale block per row), so no separate quantizer runs.
     pub fn quantizes_mid(&self, spec: &MoeSpec) -> bool {
@@ -421,15 +430,25 @@ impl GemmTiles {
         let least = if wq { 2 } else { 2 + inflight };
         let most = 16;
         let most_blocks = if wq { 4 } else { 2 };
+        // Widths past the powers of two: any multiple of 16 (takes_any_width); for GEMM2 of
+        // weights the producer decodes, 192 (whole 16-byte vectors per producer thread; GEMM1
+        // keeps whole 64-column chunks of paired intermediate).
+        let any_width = tiles.takes_any_width(spec);
+        let decoded_ws = wq && tiles.warp_specialized && tiles.mma == Mma::Wgmma;
+        let width_ok = |bn: u32, gemm2: bool| {
+            matches!(bn, 64 | 128 | 256)
+                || (any_width && bn % 16 == 0 && (64..=256).contains(&bn))
+                || (gemm2 && decoded_ws && bn == 192)
+        };
         if !bm_ok
             || tiles.stages < least
             || tiles.stages > most
-            || !matches!(tiles.bn2, 64 | 128 | 256)
-            || !matches!(tiles.bn1, 64 | 128 | 256)
+            || !width_ok(tiles.bn1, false)
+            || !width_ok(tiles.bn2, true)
             || !(1..=most_blocks).contains(&tiles.blocks_per_sm)
         {
             return Err(unsupported(format!(
-                "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
+                "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, or any multiple of 16 from 64 to 256 for 16-bit weights on the warp-specialised pipeline, bn2 192 for weights it decodes; stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
             )));
         }
         if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
@@ -474,9 +493,16 @@ impl GemmTiles {
     /// ([`GemmTiles::for_spec`]) is one of them.
     pub fn space(spec: &MoeSpec, arch: Arch) -> Vec<GemmTiles> {
         let mut out = Vec::new();
+        // The powers of two, and the other widths that divide this spec's column counts (taken
+        // only where `takes_any_width`: check refuses them elsewhere).
+        let (h, i) = (spec.hidden(), spec.intermediate());
+        let widths = |divides: &dyn Fn(u32) -> bool| -> Vec<u32> {
+            (4..=16u32).map(|w| 16 * w).filter(|&w| w.is_power_of_two() || divides(w)).collect()
+        };
+        let (w1, w2) = (widths(&|w| i % (w / 2) == 0), widths(&|w| h % w == 0));
         for (mma, bm) in [Mma::MmaSync, Mma::Wgmma].into_iter().flat_map(|m| [128, 64, 32, 16].map(|b| (m, b))) {
             for warp_specialized in [false, true] {
-                for (bn1, bn2) in [64, 128, 256].into_iter().flat_map(|a| [64, 128, 256].map(|b| (a, b))) {
+                for (bn1, bn2) in w1.iter().flat_map(|&a| w2.iter().map(move |&b| (a, b))) {
                     for stages in 2..=8 {
                         for (blocks_per_sm, cluster, lag, tail) in [1, 2].into_iter().flat_map(|b| {
                             [1, 2]
@@ -928,8 +954,8 @@ mod tests {
             assert_eq!(GemmTiles::for_spec(&m, Arch::Sm120a).cluster, 1, "{f}");
             assert!(render_grouped(&m, Arch::Sm90a, GemmTiles::for_spec(&m, Arch::Sm90a)).is_ok());
         }
-        // gpt-oss-20b: long items, but 45 column blocks.
-        assert_eq!(GemmTiles::for_spec(&spec(2880, 2880, 32, 4, WeightFormat::Bf16), Arch::Sm90a).cluster, 1);
+        // gpt-oss-20b: long items, and 240-column tiles give even column blocks (24 and 12).
+        assert_eq!(GemmTiles::for_spec(&spec(2880, 2880, 32, 4, WeightFormat::Bf16), Arch::Sm90a).cluster, 2);
     }
 
     #[test]

@@ -197,7 +197,11 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
     let (h, i) = (spec.hidden(), spec.intermediate());
     // Weights decoded by the loader take the mma.sync pipeline on every arch.
     if arch == Arch::Sm90a && !crate::grouped::decodes_weights(spec) {
-        let (bn1, bn2) = (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]));
+        let (bn1, bn2) = if quantizes_activations(spec) {
+            (2 * widest(i, &[128, 64, 32]), widest(h, &[256, 128, 64]))
+        } else {
+            (2 * widest_step(i, 8, 32, 128), widest_step(h, 16, 64, 256))
+        };
         return GemmTiles {
             bm: 128,
             bn1,
@@ -246,7 +250,7 @@ pub fn large_step_tiles(spec: &MoeSpec, arch: Arch) -> Option<GemmTiles> {
     let t = GemmTiles {
         bm: 128,
         bn1: 2 * widest(i, &[128, 64]),
-        bn2: widest(h, &[256, 128, 64]),
+        bn2: widest(h, &[256, 192, 128, 64]),
         stages: 3,
         blocks_per_sm: 1,
         mma: Mma::Wgmma,
@@ -299,6 +303,17 @@ fn wq_tiles(h: u32, bits: u32, arch: Arch) -> GemmTiles {
         lag: 0,
         tail: 0,
     }
+}
+
+/// The widest multiple of `step` from `least` to `most` that divides `n`, else 64 (which the
+/// family's check then refuses where it does not divide).
+///
+/// Why: 16-bit weights on the warp-specialised pipeline take any multiple of 16 columns
+/// (`GemmTiles::takes_any_width`), and wide tiles move the fewest bytes from L2 per FLOP where the
+/// sizes are not powers of two: gpt-oss-20b (hidden and intermediate 2880) took 128 x 64 tiles
+/// before, 240 x 240 now (docs/prefill-notes.md, "Column tiles that are not powers of two").
+fn widest_step(n: u32, step: u32, least: u32, most: u32) -> u32 {
+    (least / step..=most / step).rev().map(|w| step * w).find(|&w| n % w == 0).unwrap_or(64)
 }
 
 /// The first of `options` that divides `n`, else 64.
@@ -372,5 +387,26 @@ mod tests {
         // The ring: four 8 KiB slots of 4-bit k-tiles at 256 columns, three of 16 KiB for 8-bit.
         let ring = |f| large_step_tiles(&qwen3(f), Arch::Sm90a).unwrap().pack_ring(&qwen3(f));
         assert_eq!((ring(WeightFormat::Mxfp4), ring(WeightFormat::Int8)), (4, 3));
+    }
+
+    /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),
+    /// fp8 the powers of two; every reference geometry's default passes the family's check.
+    #[test]
+    fn sixteen_bit_weights_take_the_widest_dividing_columns() {
+        let tiles = |h, i, f| {
+            let s = MoeSpec::builder(h, i, 32, 4).weight_format(f).build().unwrap();
+            let t = gemm_tiles(&s, Arch::Sm90a);
+            assert!(t.fits(&s, Arch::Sm90a), "{h} {i} {f}: {t:?}");
+            t.check(&s, Arch::Sm90a).unwrap_or_else(|e| panic!("{h} {i} {f}: {t:?}: {e}"));
+            (t.bn1, t.bn2)
+        };
+        assert_eq!(tiles(2880, 2880, WeightFormat::Bf16), (240, 240));
+        assert_eq!(tiles(2880, 2880, WeightFormat::Fp16), (240, 240));
+        assert_eq!(tiles(2048, 768, WeightFormat::Bf16), (256, 256));
+        assert_eq!(tiles(960, 960, WeightFormat::Bf16), (240, 240));
+        assert_eq!(tiles(2048, 1408, WeightFormat::Bf16), (256, 256));
+        assert_eq!(tiles(2048, 768, WeightFormat::Fp8E4m3), (256, 256));
+        assert_eq!((widest_step(2880, 16, 64, 256), widest_step(2880, 8, 32, 128)), (240, 120));
+        assert_eq!(widest_step(1000, 16, 64, 256), 64, "none divides: the check refuses it");
     }
 }

@@ -227,36 +227,13 @@ __device__ __forceinline__ uint4 lds128(unsigned addr) {
                  : "memory");
     return v;
 }
-// A warp's 16 rows x 8 NQ columns in the accumulator layout (val(q, h): columns 8 q + 2 (lane % 4)
-// + 0, 1 of row lane / 4 + 8 h), rounded to act_t and written to global memory 16 bytes at a time:
-// 64 columns at once go through the warp's 2 KiB at `buf` (stmatrix, rows 128 bytes apart with
-// their 16-byte chunks swizzled by the row), then each lane stores 4 rows' chunks. dst(r): where
-// row r's first column goes, null to skip it (called once per row by every lane). Four times
-// fewer stores than the 4-byte pairs of the fragments, which held the store queue.
-// PAIRED: each 16-byte chunk stored in x_pair_col order (the intermediate of decoded weights).
-template <int NQ, bool PAIRED = false, class Val, class Dst>
-__device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) {
-    static_assert(sizeof(act_t) == 2, "16-bit values");
+// store_warp_rows' whole 16-byte chunks: CH chunks of 8 fragments through the staging.
+template <int CH, bool PAIRED, class Val>
+__device__ __forceinline__ void store_warp_chunks(unsigned buf, Val val, act_t* const (&rows)[4]) {
     const int lane = threadIdx.x % 32;
-    static_assert(!PAIRED || NQ % 8 == 0, "paired rows go out in whole chunks");
-    if constexpr (NQ % 8 != 0) {  // narrower than a chunk: the fragments' pairs as they are
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            act_t* row = dst(lane / 4 + 8 * h);
-#pragma unroll
-            for (int q = 0; q < NQ; ++q) {
-                const float2 v = val(q, h);
-                if (row) store_pair(row + 8 * q + 2 * (lane % 4), v.x, v.y);
-            }
-        }
-        return;
-    }
-    act_t* rows[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) rows[k] = dst(lane / 8 + 4 * k);
     const int mrow = (lane / 8 % 2) * 8 + lane % 8;  // stmatrix: lanes 8 m .. address matrix m's rows
 #pragma unroll
-    for (int ch = 0; ch < NQ / 8; ++ch) {
+    for (int ch = 0; ch < CH; ++ch) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             // Matrices (q, rows 0-7), (q, rows 8-15), (q + 1, rows 0-7), (q + 1, rows 8-15).
@@ -278,6 +255,38 @@ __device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) 
             if (rows[k]) *reinterpret_cast<uint4*>(rows[k] + 64 * ch + 8 * c) = PAIRED ? x_pair_chunk(v) : v;
         }
         __syncwarp();
+    }
+}
+// A warp's 16 rows x 8 NQ columns in the accumulator layout (val(q, h): columns 8 q + 2 (lane % 4)
+// + 0, 1 of row lane / 4 + 8 h), rounded to act_t and written to global memory 16 bytes at a time:
+// 64 columns at once go through the warp's 2 KiB at `buf` (stmatrix, rows 128 bytes apart with
+// their 16-byte chunks swizzled by the row), then each lane stores 4 rows' chunks. dst(r): where
+// row r's first column goes, null to skip it (called once per row by every lane). Four times
+// fewer stores than the 4-byte pairs of the fragments, which held the store queue.
+// PAIRED: each 16-byte chunk stored in x_pair_col order (the intermediate of decoded weights).
+template <int NQ, bool PAIRED = false, class Val, class Dst>
+__device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) {
+    static_assert(sizeof(act_t) == 2, "16-bit values");
+    const int lane = threadIdx.x % 32;
+    static_assert(!PAIRED || NQ % 8 == 0, "paired rows go out in whole chunks");
+    // Past the last whole chunk (tiles of 8 q + 4 or fewer columns, or a width that is not a
+    // multiple of 64: 240 = 3 x 64 + 48), the fragments' pairs as they are.
+    if constexpr (NQ % 8 != 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            act_t* row = dst(lane / 4 + 8 * h);
+#pragma unroll
+            for (int q = NQ / 8 * 8; q < NQ; ++q) {
+                const float2 v = val(q, h);
+                if (row) store_pair(row + 8 * q + 2 * (lane % 4), v.x, v.y);
+            }
+        }
+    }
+    if constexpr (NQ >= 8) {
+        act_t* rows[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) rows[k] = dst(lane / 8 + 4 * k);
+        store_warp_chunks<NQ / 8, PAIRED>(buf, val, rows);
     }
 }
 // A consumer warpgroup copies an item's BN per-column floats (src(j): columns j .. j + 3, 16-byte

@@ -52,7 +52,7 @@ __device__ __forceinline__ void sts128(unsigned addr, unsigned a, unsigned b, un
 // vectors rather than one each (all eight of int8's at once spilled).
 template <bool BIG, int NV, int STRIDE>
 __device__ __forceinline__ void wsq_decode_vecs(const WScale* sc, int q0, unsigned src, unsigned dst) {
-    constexpr int G = NV < 4 ? NV : 4;
+    constexpr int G = NV % 4 == 0 ? 4 : NV % 3 == 0 ? 3 : NV % 2 == 0 ? 2 : 1;  // (192 columns of int8: 6)
     static_assert(NV % G == 0, "whole groups of vectors");
 #pragma unroll
     for (int j0 = 0; j0 < NV; j0 += G) {

@@ -760,3 +760,55 @@ fn every_gemm_pipeline_matches_reference() {
         }
     }
 }
+
+/// 16-bit weights on the warp-specialised pipeline take column tiles of any multiple of 16 up to
+/// 256 (`GemmTiles::takes_any_width`): widths that are not powers of two, and not multiples of 64
+/// (whose epilogues store their last columns as pairs), alone and in 2-block clusters, with
+/// biases, both combines; weights the producer decodes take 192-column GEMM2 tiles.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn column_tiles_of_any_multiple_of_16_match_reference() {
+    use moe_codegen::GemmTiles;
+    let dev = gpu();
+    // Hidden and intermediate 960 = 4 x 240 = 5 x 192 = 6 x 160 = 8 x 120 = 20 x 48.
+    {
+        let format = WeightFormat::Bf16;
+        let spec = MoeSpec::builder(960, 960, 16, 4).weight_format(format).bias(true).build().unwrap();
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(true);
+        let defaults = layer.grouped_tiles().unwrap();
+        assert_eq!((defaults.bn1, defaults.bn2), (240, 240), "{format}: {defaults:?}");
+        let (tol, min_cos) = tolerance(&spec);
+        for (bn1, bn2, cluster) in [(240, 240, 1), (240, 240, 2), (96, 192, 1), (240, 80, 1), (160, 160, 2)] {
+            let tiles = GemmTiles { bn1, bn2, cluster, ..defaults };
+            layer.set_grouped_tiles(&dev, tiles).unwrap_or_else(|e| panic!("{tiles:?}: {e}"));
+            for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
+                layer.set_deterministic(deterministic);
+                let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
+                println!("{format} {bn1}x{bn2} c{cluster} m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
+                assert!(rel <= tol && cos >= min_cos, "{format} {tiles:?} m={m}: rel {rel:.3e} cos {cos:.8}");
+            }
+        }
+    }
+    // Weights the producer decodes: GEMM2 in 192-column tiles (the large-step tiles' default
+    // where 256 does not divide the hidden size).
+    for format in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Int8, WeightFormat::Fp8E4m3] {
+        let spec = MoeSpec::builder(960, 960, 16, 4).weight_format(format).build().unwrap();
+        let seed = fresh_seed();
+        let w = random_weights(&spec, seed);
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(true);
+        layer.set_large_step_tokens(1);
+        let tiles = layer.grouped_tiles_for(17).unwrap();
+        assert!(tiles.warp_specialized && (tiles.bn1, tiles.bn2) == (128, 192), "{format}: {tiles:?}");
+        let (tol, min_cos) = tolerance(&spec);
+        for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
+            layer.set_deterministic(deterministic);
+            let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
+            println!("{format} 128x192 m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
+            assert!(rel <= tol && cos >= min_cos, "{format} m={m}: rel {rel:.3e} cos {cos:.8}");
+        }
+    }
+}

@@ -126,7 +126,15 @@ fn warp_specialised_options_compile_for_sm90a() {
             }
         }
     }
-    assert!(items.len() >= 12, "only {} variants rendered", items.len());
+    // The large-step tiles of weights the producer decodes (gpt-oss-20b's GEMM2 in 192 columns).
+    for &(_, h, i, e, k) in &REFERENCE_GEOMETRIES {
+        for f in [WeightFormat::Mxfp4, WeightFormat::Int8] {
+            let spec = MoeSpec::builder(h, i, e, k).weight_format(f).build().unwrap();
+            let tiles = moe_codegen::heuristics::large_step_tiles(&spec, Arch::Sm90a).expect("large-step tiles");
+            items.push((render_grouped(&spec, Arch::Sm90a, tiles).unwrap(), CompileOptions::for_arch(tk, Arch::Sm90a)));
+        }
+    }
+    assert!(items.len() >= 20, "only {} variants rendered", items.len());
     let results = DiskCache::open_default().get_or_compile_all(&items, jobs());
     for ((src, _), r) in items.iter().zip(results) {
         let (cubin, _) = r.unwrap_or_else(|e| panic!("{}: {e}", src.name));
