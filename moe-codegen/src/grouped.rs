@@ -430,25 +430,24 @@ impl GemmTiles {
         let least = if wq { 2 } else { 2 + inflight };
         let most = 16;
         let most_blocks = if wq { 4 } else { 2 };
-        // Widths past the powers of two: any multiple of 16 (takes_any_width); for GEMM2 of
-        // weights the producer decodes, 192 (whole 16-byte vectors per producer thread; GEMM1
-        // keeps whole 64-column chunks of paired intermediate).
+        // Widths past the powers of two: any multiple of 16 (takes_any_width); for weights the
+        // producer decodes, 192 (whole 16-byte vectors per producer thread).
         let any_width = tiles.takes_any_width(spec);
         let decoded_ws = wq && tiles.warp_specialized && tiles.mma == Mma::Wgmma;
-        let width_ok = |bn: u32, gemm2: bool| {
+        let width_ok = |bn: u32| {
             matches!(bn, 64 | 128 | 256)
                 || (any_width && bn % 16 == 0 && (64..=256).contains(&bn))
-                || (gemm2 && decoded_ws && bn == 192)
+                || (decoded_ws && bn == 192)
         };
         if !bm_ok
             || tiles.stages < least
             || tiles.stages > most
-            || !width_ok(tiles.bn1, false)
-            || !width_ok(tiles.bn2, true)
+            || !width_ok(tiles.bn1)
+            || !width_ok(tiles.bn2)
             || !(1..=most_blocks).contains(&tiles.blocks_per_sm)
         {
             return Err(unsupported(format!(
-                "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, or any multiple of 16 from 64 to 256 for 16-bit weights on the warp-specialised pipeline, bn2 192 for weights it decodes; stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
+                "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, or any multiple of 16 from 64 to 256 for 16-bit weights on the warp-specialised pipeline, 192 for weights it decodes; stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
             )));
         }
         if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {

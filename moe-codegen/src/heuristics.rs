@@ -235,8 +235,10 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
 /// The grouped family's tiles for large steps, where they are not [`gemm_tiles`]'s: weights the
 /// grouped family decodes, on sm_90a, take the warp-specialised wgmma pipeline whose producer
 /// warpgroup decodes them into the stages (`gemm_wsq.cuh`) from [`large_step_tokens`] on: 128
-/// rows per tile, 128 neurons (256 columns of w13) and 256 hidden outputs where they divide, three
-/// stages (the most that leave room for the ring of packed k-tiles at 256 columns).
+/// rows per tile, 128 neurons (256 columns of w13) and 256 hidden outputs where they divide, else
+/// 96 and 192 (gpt-oss-20b's 2880: 21-29% faster at 1024 and 4096 tokens than 64-wide GEMM2
+/// tiles on an H200, docs/prefill-notes.md), three stages (the most that leave room for the ring
+/// of packed k-tiles at 256 columns).
 ///
 /// Why: there every expert fills most of a 128-row tile, and each weight decoded once per tile
 /// feeds wgmma rather than the decoding warps' own `mma.sync`. Qwen3-30B-A3B at M = 1024, 2048
@@ -249,7 +251,7 @@ pub fn large_step_tiles(spec: &MoeSpec, arch: Arch) -> Option<GemmTiles> {
     let (h, i) = (spec.hidden(), spec.intermediate());
     let t = GemmTiles {
         bm: 128,
-        bn1: 2 * widest(i, &[128, 64]),
+        bn1: 2 * widest(i, &[128, 96, 64]),
         bn2: widest(h, &[256, 192, 128, 64]),
         stages: 3,
         blocks_per_sm: 1,

@@ -40,10 +40,13 @@ static_assert(!WS_DECODE || CLUSTER == 1, "decoded weights: no clusters (each bl
 template <int BN>
 struct WsqSplit {
     static constexpr int N = BN * (PACK_BITS / 2) / 128;  // a producer thread's when it decodes all
-    static constexpr int NC = N / 4;                       // a consumer thread's
+    static_assert(!WS_DECODE || N * 128 == BN * (PACK_BITS / 2), "whole vectors per producer thread");
+    // A consumer thread's: 1 of 4 (256 columns) or of 3 (192), the producer keeping 2 or 1.
+    static constexpr int NC = (N + 1) / 4;
     // 8-bit codes stay with the producer: int8 ran 4-6% slower split (H100, Qwen3-30B-A3B).
     static constexpr bool ON = WS_DECODE && PACK_BITS == 4 && NC > 0;
-    static constexpr int NP = ON ? N / 2 : N;              // a producer thread's share
+    static constexpr int NP = ON ? N - 2 * NC : N;         // a producer thread's share
+    static_assert(!WS_DECODE || N % NP == 0, "the producer decodes all in passes of its share");
 };
 constexpr int WSQ_LEAD = 2;
 // Whether the consumers decode their share of an item's k-tile kt.
@@ -227,15 +230,20 @@ __device__ __forceinline__ uint4 lds128(unsigned addr) {
                  : "memory");
     return v;
 }
-// store_warp_rows' whole 16-byte chunks: CH chunks of 8 fragments through the staging.
-template <int CH, bool PAIRED, class Val>
+// store_warp_rows' fragments 0 .. NQ (even) through the staging, 8 at a time (a 64-column
+// chunk of 128-byte rows; the last chunk may hold fewer): fragment q is the rows' 16-byte piece q.
+template <int NQ, bool PAIRED, class Val>
 __device__ __forceinline__ void store_warp_chunks(unsigned buf, Val val, act_t* const (&rows)[4]) {
+    static_assert(NQ % 2 == 0, "stmatrix takes fragments two at a time");
     const int lane = threadIdx.x % 32;
     const int mrow = (lane / 8 % 2) * 8 + lane % 8;  // stmatrix: lanes 8 m .. address matrix m's rows
 #pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
+    for (int ch = 0; ch < (NQ + 7) / 8; ++ch) {
+        constexpr int FULL = 8;
+        const int in_chunk = NQ - 8 * ch < FULL ? NQ - 8 * ch : FULL;  // (a constant once unrolled)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+            if (2 * j >= in_chunk) break;
             // Matrices (q, rows 0-7), (q, rows 8-15), (q + 1, rows 0-7), (q + 1, rows 8-15).
             unsigned r[4];
 #pragma unroll
@@ -251,6 +259,7 @@ __device__ __forceinline__ void store_warp_chunks(unsigned buf, Val val, act_t* 
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int row = lane / 8 + 4 * k, c = lane % 8;
+            if (c >= in_chunk) continue;
             const uint4 v = lds128(buf + row * 128 + ((c ^ (row & 7)) << 4));
             if (rows[k]) *reinterpret_cast<uint4*>(rows[k] + 64 * ch + 8 * c) = PAIRED ? x_pair_chunk(v) : v;
         }
@@ -268,25 +277,21 @@ template <int NQ, bool PAIRED = false, class Val, class Dst>
 __device__ __forceinline__ void store_warp_rows(unsigned buf, Val val, Dst dst) {
     static_assert(sizeof(act_t) == 2, "16-bit values");
     const int lane = threadIdx.x % 32;
-    static_assert(!PAIRED || NQ % 8 == 0, "paired rows go out in whole chunks");
-    // Past the last whole chunk (tiles of 8 q + 4 or fewer columns, or a width that is not a
-    // multiple of 64: 240 = 3 x 64 + 48), the fragments' pairs as they are.
-    if constexpr (NQ % 8 != 0) {
+    static_assert(!PAIRED || NQ % 2 == 0, "paired rows go out in whole chunks");
+    // An odd last fragment (widths of 16 q + 8 columns: 240 = 15 x 16), its pairs as they are.
+    if constexpr (NQ % 2 != 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             act_t* row = dst(lane / 4 + 8 * h);
-#pragma unroll
-            for (int q = NQ / 8 * 8; q < NQ; ++q) {
-                const float2 v = val(q, h);
-                if (row) store_pair(row + 8 * q + 2 * (lane % 4), v.x, v.y);
-            }
+            const float2 v = val(NQ - 1, h);
+            if (row) store_pair(row + 8 * (NQ - 1) + 2 * (lane % 4), v.x, v.y);
         }
     }
-    if constexpr (NQ >= 8) {
+    if constexpr (NQ >= 2) {
         act_t* rows[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) rows[k] = dst(lane / 8 + 4 * k);
-        store_warp_chunks<NQ / 8, PAIRED>(buf, val, rows);
+        store_warp_chunks<NQ / 2 * 2, PAIRED>(buf, val, rows);
     }
 }
 // A consumer warpgroup copies an item's BN per-column floats (src(j): columns j .. j + 3, 16-byte

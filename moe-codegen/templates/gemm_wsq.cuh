@@ -107,9 +107,9 @@ __device__ __forceinline__ void wsq_decode(WsqScales<BN, false> sc, bool all, un
 #pragma unroll 1
     for (int h = 0;; ++h) {
         wsq_decode_part<P::NP, 128>(sc.s, threadIdx.x + h * 128 * P::NP, src, dst);
-        if (!P::ON || !all || h == 1) break;
+        if (!P::ON || !all || h == P::N / P::NP - 1) break;
 #pragma unroll
-        for (int j = 0; j < P::NP; ++j) sc.s[j] = sc.s[P::NP + j];
+        for (int j = 0; j + P::NP < P::N; ++j) sc.s[j] = sc.s[j + P::NP];  // the next pass's scales first
     }
 }
 // A consumer thread's share.

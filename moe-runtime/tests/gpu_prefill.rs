@@ -764,7 +764,7 @@ fn every_gemm_pipeline_matches_reference() {
 /// 16-bit weights on the warp-specialised pipeline take column tiles of any multiple of 16 up to
 /// 256 (`GemmTiles::takes_any_width`): widths that are not powers of two, and not multiples of 64
 /// (whose epilogues store their last columns as pairs), alone and in 2-block clusters, with
-/// biases, both combines; weights the producer decodes take 192-column GEMM2 tiles.
+/// biases, both combines; weights the producer decodes take 192-column tiles.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn column_tiles_of_any_multiple_of_16_match_reference() {
@@ -792,8 +792,9 @@ fn column_tiles_of_any_multiple_of_16_match_reference() {
             }
         }
     }
-    // Weights the producer decodes: GEMM2 in 192-column tiles (the large-step tiles' default
-    // where 256 does not divide the hidden size).
+    // Weights the producer decodes: 192-column tiles (96 neurons in GEMM1: the large-step
+    // tiles' default where 256 columns do not divide), the consumers decoding a third of each
+    // 4-bit k-tile.
     for format in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Int8, WeightFormat::Fp8E4m3] {
         let spec = MoeSpec::builder(960, 960, 16, 4).weight_format(format).build().unwrap();
         let seed = fresh_seed();
@@ -802,12 +803,12 @@ fn column_tiles_of_any_multiple_of_16_match_reference() {
         layer.set_validate_routing(true);
         layer.set_large_step_tokens(1);
         let tiles = layer.grouped_tiles_for(17).unwrap();
-        assert!(tiles.warp_specialized && (tiles.bn1, tiles.bn2) == (128, 192), "{format}: {tiles:?}");
+        assert!(tiles.warp_specialized && (tiles.bn1, tiles.bn2) == (192, 192), "{format}: {tiles:?}");
         let (tol, min_cos) = tolerance(&spec);
         for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
             layer.set_deterministic(deterministic);
             let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
-            println!("{format} 128x192 m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
+            println!("{format} 192x192 m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
             assert!(rel <= tol && cos >= min_cos, "{format} m={m}: rel {rel:.3e} cos {cos:.8}");
         }
     }
