@@ -260,8 +260,8 @@ impl GemmTiles {
 
     /// Whether these tiles take column widths other than 64, 128 and 256 (any multiple of 16 up
     /// to 256): 16-bit weights on the warp-specialised wgmma pipeline, whose MMAs, boxes and
-    /// epilogues take any multiple of 8 columns. fp8's 128-column scale blocks and the decoding
-    /// producer's vector split keep the powers of two.
+    /// epilogues take any multiple of 8 columns. fp8's 128-column scale blocks keep the powers of
+    /// two; weights the producer decodes add only 192 (whole 16-byte vectors per producer thread).
     pub fn takes_any_width(&self, spec: &MoeSpec) -> bool {
         let spec = &spec.kernel_spec();
         self.warp_specialized && self.mma == Mma::Wgmma && !quantizes_activations(spec) && !decodes_weights(spec)

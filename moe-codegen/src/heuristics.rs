@@ -392,7 +392,7 @@ mod tests {
     }
 
     /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),
-    /// fp8 the powers of two; every reference geometry's default passes the family's check.
+    /// fp8 the powers of two; each of these defaults fits and passes the family's check.
     #[test]
     fn sixteen_bit_weights_take_the_widest_dividing_columns() {
         let tiles = |h, i, f| {
