@@ -763,8 +763,8 @@ fn every_gemm_pipeline_matches_reference() {
 
 /// 16-bit weights on the warp-specialised pipeline take column tiles of any multiple of 16 up to
 /// 256 (`GemmTiles::takes_any_width`): widths that are not powers of two, and not multiples of 64
-/// (whose epilogues store their last columns as pairs), alone and in 2-block clusters, with
-/// biases, both combines; weights the producer decodes take 192-column tiles.
+/// (whose epilogues store a partial last chunk, and an odd last fragment as pairs), alone and in
+/// 2-block clusters, with biases, both combines; weights the producer decodes take 192 columns.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn column_tiles_of_any_multiple_of_16_match_reference() {
@@ -793,7 +793,7 @@ fn column_tiles_of_any_multiple_of_16_match_reference() {
         }
     }
     // Weights the producer decodes: 192-column tiles (96 neurons in GEMM1: the large-step
-    // tiles' default where 256 columns do not divide), the consumers decoding a third of each
+    // tiles' default where 256 columns do not divide), the consumers decoding two thirds of each
     // 4-bit k-tile.
     for format in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Int8, WeightFormat::Fp8E4m3] {
         let spec = MoeSpec::builder(960, 960, 16, 4).weight_format(format).build().unwrap();

@@ -126,7 +126,7 @@ fn warp_specialised_options_compile_for_sm90a() {
             }
         }
     }
-    // The large-step tiles of weights the producer decodes (gpt-oss-20b's GEMM2 in 192 columns).
+    // The large-step tiles of weights the producer decodes (gpt-oss-20b's in 96 x 192).
     for &(_, h, i, e, k) in &REFERENCE_GEOMETRIES {
         for f in [WeightFormat::Mxfp4, WeightFormat::Int8] {
             let spec = MoeSpec::builder(h, i, e, k).weight_format(f).build().unwrap();
