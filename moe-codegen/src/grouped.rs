@@ -267,6 +267,25 @@ impl GemmTiles {
         self.warp_specialized && self.mma == Mma::Wgmma && !quantizes_activations(spec) && !decodes_weights(spec)
     }
 
+    /// GEMM2's column blocks for `hidden` outputs: the last holds fewer rows where `bn2` does
+    /// not divide it ([`GemmTiles::partial_gemm2`]).
+    pub fn gemm2_col_blocks(&self, hidden: u32) -> u32 {
+        hidden.div_ceil(self.bn2)
+    }
+
+    /// Whether GEMM2 may end on a narrower column block for `spec`: the mixed-input `mma.sync`
+    /// GEMM (`gemm_wq.cuh`) skips the rows past the outputs, whole warps' rows (16 per fragment a
+    /// warp holds) at a time. gpt-oss-20b's 2880 outputs then take 22 blocks of 128 and one of 64
+    /// rather than 45 of 64, whose warps split each tile's tokens and decoded every weight twice.
+    pub fn partial_gemm2(&self, spec: &MoeSpec) -> bool {
+        let spec = &spec.kernel_spec();
+        let warp_rows = 16 * if self.bn2 >= 256 { self.bn2 / 128 } else { 1 };
+        decodes_weights(spec)
+            && !self.warp_specialized
+            && self.mma == Mma::MmaSync
+            && spec.hidden() % self.bn2 % warp_rows == 0
+    }
+
     /// Whether GEMM1 quantizes the intermediate to e4m3 itself (fp8, warp-specialised, 128
     /// intermediate columns per tile: one scale block per row), so no separate quantizer runs.
     pub fn quantizes_mid(&self, spec: &MoeSpec) -> bool {
@@ -450,7 +469,7 @@ impl GemmTiles {
                 "tiles {tiles:?} (bm 128, or 64 / 32 / 16 for weights decoded in registers; bn 64/128/256, or any multiple of 16 from 64 to 256 for 16-bit weights on the warp-specialised pipeline, 192 for weights it decodes; stages {least} to {most}, 1 to {most_blocks} blocks per SM)"
             )));
         }
-        if i % (tiles.bn1 / 2) != 0 || h % tiles.bn2 != 0 {
+        if i % (tiles.bn1 / 2) != 0 || (h % tiles.bn2 != 0 && !tiles.partial_gemm2(spec)) {
             return Err(unsupported(format!("tiles {tiles:?} for hidden {h}, intermediate {i}")));
         }
         // A cluster splits an expert's odd tile by column blocks.
@@ -894,6 +913,34 @@ mod tests {
         assert!(render_grouped(&s, Arch::Sm120a, wg).is_err());
         let odd = GemmTiles { bn2: 96, ..GemmTiles::for_spec(&s, Arch::Sm90a) };
         assert!(render_grouped(&s, Arch::Sm90a, odd).is_err());
+    }
+
+    /// Only the mixed-input mma.sync GEMM2 ends on a narrower column block (gpt-oss-20b's 2880
+    /// outputs: 22 blocks of 128 and one of 64); the other pipelines keep whole column tiles.
+    #[test]
+    fn only_decoded_weights_on_mma_sync_take_a_narrower_last_column_block() {
+        for arch in [Arch::Sm90a, Arch::Sm100a, Arch::Sm120a] {
+            for f in [WeightFormat::Mxfp4, WeightFormat::Int8, WeightFormat::Fp8E4m3] {
+                let s = spec(2880, 2880, 32, 4, f);
+                let t = GemmTiles::for_spec(&s, arch);
+                assert_eq!((t.mma, t.bn2, t.gemm2_col_blocks(2880)), (Mma::MmaSync, 128, 23), "{f} {arch}");
+                assert!(t.partial_gemm2(&s), "{f} {arch}");
+                let k = render_grouped(&s, arch, t).unwrap_or_else(|e| panic!("{f} {arch}: {e}"));
+                assert!(k.source.contains("constexpr int NT2 = (HIDDEN + BN2 - 1) / BN2;"));
+                let wide = GemmTiles { bn2: 256, ..t };
+                assert!(wide.partial_gemm2(&s) && wide.check(&s, arch).is_ok(), "{f} {arch}: 11 x 256 + 64");
+            }
+            // 16-bit weights on mma.sync, and decoded weights on the warp-specialised pipeline.
+            let s = spec(2880, 2880, 32, 4, WeightFormat::Bf16);
+            let t =
+                GemmTiles { bm: 128, bn1: 128, bn2: 128, mma: Mma::MmaSync, ..GemmTiles::for_spec(&s, Arch::Sm100a) };
+            assert!(!t.partial_gemm2(&s) && t.check(&s, arch).is_err(), "{arch}: {t:?}");
+        }
+        let s = spec(2880, 2880, 32, 4, WeightFormat::Mxfp4);
+        let ws = crate::heuristics::large_step_tiles(&s, Arch::Sm90a).unwrap();
+        assert!(ws.warp_specialized);
+        let t = GemmTiles { bn2: 128, ..ws };
+        assert!(!t.partial_gemm2(&s) && t.check(&s, Arch::Sm90a).is_err(), "{t:?}");
     }
 
     #[test]

@@ -216,7 +216,7 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
         };
     }
     if let Some(bits) = crate::grouped::wq_bits(spec) {
-        return wq_tiles(h, bits, arch);
+        return wq_tiles(bits, arch);
     }
     GemmTiles {
         bm: 128,
@@ -276,15 +276,17 @@ pub fn large_step_tokens(spec: &MoeSpec) -> usize {
 }
 
 /// The mixed-input GEMMs' tiles (weights decoded in registers, `gemm_wq.cuh`): 64 tokens per
-/// tile, 128 weight rows (64 neurons' gate and up rows; 128 hidden outputs, or 64 where the
-/// hidden size does not divide), and as many stages as leave two blocks per SM (one on sm_120a,
-/// whose 99 KiB hold one), at most 8.
+/// tile, 128 weight rows (64 neurons' gate and up rows; 128 hidden outputs, the last block 64
+/// where the hidden size is an odd multiple of 64), and as many stages as leave two blocks per SM
+/// (one on sm_120a, whose 99 KiB hold one), at most 8.
 ///
 /// Why: at serving batch sizes these GEMMs stream packed weights and are bound by the issue of
 /// their decode and bookkeeping; 64-token tiles leave room for two blocks per SM (16 warps to
-/// hide each other's latencies) with stages of 64 bytes per weight row.
-fn wq_tiles(h: u32, bits: u32, arch: Arch) -> GemmTiles {
-    let (bm, bn1, bn2) = (64, 128, widest(h, &[128, 64]));
+/// hide each other's latencies) with stages of 64 bytes per weight row. 128 rows put each of the
+/// eight warps on its own 16 rows: 64-row tiles split a tile's tokens over two warps, which then
+/// both decode the same weights, or one of them idles at 32 tokens or fewer.
+fn wq_tiles(bits: u32, arch: Arch) -> GemmTiles {
+    let (bm, bn1, bn2) = (64, 128, 128);
     let (block, sm) = crate::grouped::smem_limits(arch);
     let blocks_per_sm = if arch == Arch::Sm120a { 1 } else { 2 };
     let stage = crate::grouped::wq_stage_bytes(bm, bn1.max(bn2), bits);

@@ -109,11 +109,16 @@ __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, con
 // WStep::at(d): how far weight row r + d lies from row r, for d a multiple of 8 and r < 8, or d a
 // multiple of 32 and r < 32, so that a lane resolves wrow once per fill and reaches its other rows
 // by constant offsets.
-template <int BN, int KDIM, class M, class WStep, class WRow, class XRow, class Epi>
+//
+// LAST: the weight rows of an item in the last of the nt column blocks (BN where BN divides the
+// rows; else whole warps' rows, 16 MF each): its rows past LAST are neither copied nor computed,
+// and the warps holding them sit the item out.
+template <int BN, int LAST, int KDIM, class M, class WStep, class WRow, class XRow, class Epi>
 __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restrict__ tile_span,
                                         const int* __restrict__ num_tiles, const unsigned char* __restrict__ w,
                                         const void* __restrict__ scales, WRow wrow, XRow xrow, Epi epi) {
     using S = WqShape<BN>;
+    static_assert(LAST > 0 && LAST <= BN && LAST % (16 * S::MF) == 0, "whole warps' rows in the last column block");
     constexpr int KT = (KDIM + WQ_SUB - 1) / WQ_SUB;  // stages per item
     constexpr int TAIL = KDIM % WQ_SUB;               // codes of a half last stage, or 0
     constexpr long PITCH = (long)KDIM * WQ_BITS / 8;  // bytes per packed row
@@ -156,8 +161,12 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
         const int ch = lane % 4;
         const bool in = TAIL == 0 || kt < KT - 1 || ch * W_VEC < TAIL;
         const unsigned char* src = w + wrow(it, lane / 4) * PITCH + ch * 16 + (in ? kt * 64 : 0);
+        const int rows = it.nblk == nt - 1 ? LAST : BN;
 #pragma unroll
-        for (int j = 0; j < BN * 4 / 32; ++j) cp_async16_l2(sw + (lane + 32 * j) * 16, src + WStep::at(8 * j) * PITCH, in);
+        for (int j = 0; j < BN * 4 / 32; ++j)
+            // Row lane / 4 + 8 j, in the item where 8 j < rows (a multiple of 16); the rows past
+            // them are left as they are, since only warps without rows would read them.
+            if (LAST == BN || 8 * j < rows) cp_async16_l2(sw + (lane + 32 * j) * 16, src + WStep::at(8 * j) * PITCH, in);
         for (int q = lane; q < it.rows * XCH; q += 32) {
             const int r = q / XCH, ch = q % XCH;
             const bool in = TAIL == 0 || kt < KT - 1 || ch * 8 < TAIL;
@@ -170,8 +179,9 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
             const long r0 = wrow(it, lane);
 #pragma unroll
             for (int j = 0; j < BN / 32; ++j)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(
-                    wscale_ptr<M>(scales, r0 + WStep::at(32 * j), min(kt * 4, KDIM / W_VEC - 1))));
+                if (LAST == BN || 32 * j + lane < rows)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(
+                        wscale_ptr<M>(scales, r0 + WStep::at(32 * j), min(kt * 4, KDIM / W_VEC - 1))));
         }
         cp_async_arrive_noinc(bars + 8 * s);
     };
@@ -238,13 +248,16 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
 #pragma unroll 1
     for (int n = 0; n < items; ++n) {
         const Work it = work_item((int)blockIdx.x + n * (int)gridDim.x, nt, tile_span, counts);
+        const int rows = it.nblk == nt - 1 ? LAST : BN;
         // The group scales (and zero points) of the thread's rows, one stage ahead in registers;
         // a half last stage's missing vectors take the row's last scale (their codes meet zeros).
+        // A warp past the item's rows reads its first row's (and computes nothing).
+        const int my_row0 = row0 < rows ? row0 : 0;
         long srow[S::MF][2];
 #pragma unroll
         for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) srow[mf][h] = wrow(it, row0 + 16 * mf + g + 8 * h);
+            for (int h = 0; h < 2; ++h) srow[mf][h] = wrow(it, my_row0 + 16 * mf + g + 8 * h);
         auto scales_at = [&](int kt) {
             Scales r;
             const int vec = min(kt * 4 + c, KDIM / W_VEC - 1);
@@ -254,7 +267,7 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 for (int h = 0; h < 2; ++h) r.s[mf][h] = load_wscale<M>(scales, srow[mf][h], vec);
             return r;
         };
-        const bool busy = tok0 < it.rows;                       // the warp has live tokens
+        const bool busy = tok0 < it.rows && row0 < rows;        // the warp has live tokens and rows
         const int live = min(S::NF, (it.rows - tok0 + 7) / 8);  // its live token fragments
         float acc[S::MF][S::NF][4];
 #pragma unroll
@@ -325,7 +338,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
     struct Step {
         __device__ static constexpr long at(int d) { return (d / 16) * 8 + (d / 8 % 2) * INTER; }
     };
-    wq_gemm<BN1, HIDDEN, W13M, Step>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
+    wq_gemm<BN1, BN1, HIDDEN, W13M, Step>(smem, NT1, tile_span, num_tiles, static_cast<const unsigned char*>(w13), w13_scales, wrow,
                                xrow, epi);
 }
 #endif  // entry moe_gemm1
@@ -372,6 +385,6 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     struct Step {
         __device__ static constexpr long at(int d) { return (d / 16) * 16 + d / 8 % 2; }
     };
-    wq_gemm<BN2, INTER, W2M, Step>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
+    wq_gemm<BN2, HIDDEN - (NT2 - 1) * BN2, INTER, W2M, Step>(smem, NT2, tile_span, num_tiles, static_cast<const unsigned char*>(w2), w2_scales, wrow, xrow,
                              epi);
 }

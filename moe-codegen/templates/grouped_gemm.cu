@@ -30,7 +30,7 @@ constexpr int WSCALE = {{ wscale }};
 constexpr int KT1 = HIDDEN * ELEM_BYTES / 128;  // k-tiles of GEMM1 (K = hidden)
 constexpr int KT2 = INTER * ELEM_BYTES / 128;   // k-tiles of GEMM2 (K = intermediate)
 static_assert(HIDDEN * ELEM_BYTES % 128 == 0 && INTER * ELEM_BYTES % 128 == 0, "whole k-tiles");
-static_assert(INTER % (BN1 / 2) == 0 && HIDDEN % BN2 == 0, "whole column tiles");
+
 // fp8 on the warp-specialised pipeline with 128 intermediate columns per GEMM1 tile: GEMM1's
 // epilogue quantizes them itself (one 128-column block per row), so mid is written once, in e4m3.
 constexpr bool MID_FP8 = {{ mid_fp8 }};
@@ -44,6 +44,8 @@ static_assert(!X_PER_ROW || (FP8 && WSCALE == 1), "per-token activation scales g
 // copies x so), so that a thread's activations load straight into its B fragments.
 constexpr int X_PAIR_GROUP = {{ x_pair_group }};  // G, or 0: x as given
 constexpr bool X_PAIRED = X_PAIR_GROUP > 0;
+// GEMM2's last column tile may hold fewer rows on the mixed-input mma.sync GEMM (gemm_wq.cuh).
+static_assert(INTER % (BN1 / 2) == 0 && (HIDDEN % BN2 == 0 || (X_PAIRED && !MOE_WS)), "whole column tiles");
 // Weights decoded on the warp-specialised pipeline (gemm_wsq.cuh): the producer warpgroup's
 // ring of PACK_RING slots of packed k-tiles, PACK_BITS-bit codes; 0 where the TMA loads B as is.
 #define MOE_WS_DECODE ({{ pack_ring }} > 0)
@@ -77,7 +79,7 @@ __device__ __forceinline__ uint4 x_pair_chunk(uint4 v) {
 }
 static_assert(!MID_FP8 || (FP8 && MOE_WS && BN1 == 256), "a whole 128-column block per GEMM1 tile");
 constexpr int NT1 = INTER / (BN1 / 2);
-constexpr int NT2 = HIDDEN / BN2;
+constexpr int NT2 = (HIDDEN + BN2 - 1) / BN2;
 constexpr int ELEMWISE_THREADS = 256;
 constexpr int GEMM_THREADS = MOE_WS ? 384 : 256;
 constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles share the weight tile (gemm_ws.cuh)

@@ -394,7 +394,7 @@ impl GroupedPath {
         let (mid, mid_scales) =
             if self.mid_in_gemm1 { (ptr(&s.midq, stream), ptr(&s.mids, stream)) } else { (ptr(&s.mid, stream), 0u64) };
         let nt1 = (spec.intermediate() / (self.tiles.bn1 / 2)) as usize;
-        let nt2 = (spec.hidden() / self.tiles.bn2) as usize;
+        let nt2 = self.tiles.gemm2_col_blocks(spec.hidden()) as usize;
         // Persistent grids: no more clusters than items (cluster tiles x column blocks).
         let cl = self.tiles.cluster as usize;
         let grid = |nt: usize, most: u32| ((max_tiles.div_ceil(cl) * nt).min(most as usize / cl).max(1) * cl) as u32;
