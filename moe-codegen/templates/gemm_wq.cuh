@@ -85,7 +85,7 @@ __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, con
             for (int h = 0; h < 2; ++h) {
                 const unsigned word = i == 0 ? v[mf][h].x : i == 1 ? v[mf][h].y : i == 2 ? v[mf][h].z : v[mf][h].w;
                 unsigned pr[WQ_PAIRS];
-                wq_decode(BIG, word, ws[mf][h], group_scale(ws[mf][h], i * W_GROUPS / 4), pr);
+                wq_decode<!WQ_STAGE_SCALE>(BIG, word, ws[mf][h], group_scale(ws[mf][h], i * W_GROUPS / 4), pr);
 #pragma unroll
                 for (int p = 0; p < WQ_PAIRS; ++p) a[mf][h][i * WQ_PAIRS + p] = pr[p];
             }
@@ -101,18 +101,33 @@ __device__ __forceinline__ void wq_decode_stage(unsigned sw, int row, int c, con
 }
 
 // Token fragments nf .. nf + NB - 1's MMAs over a stage's decoded A, alternating between them so
-// that each chain's latency hides under the other's (each still sums K in the same order).
+// that each chain's latency hides under the other's (each still sums K in the same order). With
+// WQ_STAGE_SCALE the stage's sums take the rows' scales sc[mf][h] in fp32.
 template <int NB, int MF, int NF, int NWORDS, int NX>
 __device__ __forceinline__ void wq_mma_rest(const unsigned (&a)[MF][2][NWORDS], const unsigned (&x)[2][NX],
-                                            float (&acc)[MF][NF][4], int nf) {
+                                            float (&acc)[MF][NF][4], int nf, const float (&sc)[MF][2]) {
+    float t[NB][MF][4];
+#pragma unroll
+    for (int f = 0; f < NB; ++f)
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) t[f][mf][i] = WQ_STAGE_SCALE ? 0.f : acc[mf][nf + f][i];
 #pragma unroll
     for (int st = 0; st < NWORDS / 2; ++st)
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
             const unsigned af[4] = {a[mf][0][2 * st], a[mf][1][2 * st], a[mf][0][2 * st + 1], a[mf][1][2 * st + 1]};
 #pragma unroll
-            for (int f = 0; f < NB; ++f) mma_16x8(acc[mf][nf + f], af, x[f][2 * st], x[f][2 * st + 1]);
+            for (int f = 0; f < NB; ++f) mma_16x8(t[f][mf], af, x[f][2 * st], x[f][2 * st + 1]);
         }
+#pragma unroll
+    for (int f = 0; f < NB; ++f)
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                acc[mf][nf + f][i] = WQ_STAGE_SCALE ? fmaf(sc[mf][i / 2], t[f][mf][i], acc[mf][nf + f][i]) : t[f][mf][i];
 }
 
 // The mainloop and epilogue call of one GEMM over its work items (grid-stride). wrow(it, R): the
@@ -230,6 +245,12 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
                 x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
             }
         };
+        // The rows' scales of a stage-wide group (WQ_STAGE_SCALE), for the stage's sums.
+        float sc[S::MF][2];
+#pragma unroll
+        for (int mf = 0; mf < S::MF; ++mf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) sc[mf][h] = WQ_STAGE_SCALE ? group_scale(ws.s[mf][h], 0) : 1.f;
         // The first fragment (live whenever the warp is busy) with the decode; the others after.
         unsigned x0[W_VEC / 2];
         load_b(0, x0);
@@ -237,22 +258,23 @@ __device__ __forceinline__ void wq_gemm(char* smem, int nt, const int4* __restri
 #pragma unroll
         for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc0[mf][i] = acc[mf][0][i];
+            for (int i = 0; i < 4; ++i) acc0[mf][i] = WQ_STAGE_SCALE ? 0.f : acc[mf][0][i];
         if (WQ_BIG_SCALES && __any_sync(0xffffffffu, big)) wq_decode_stage<true>(sw, row0 + g, c, ws.s, a, x0, acc0);
         else wq_decode_stage<false>(sw, row0 + g, c, ws.s, a, x0, acc0);
 #pragma unroll
         for (int mf = 0; mf < S::MF; ++mf)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mf][0][i] = acc0[mf][i];
+            for (int i = 0; i < 4; ++i)
+                acc[mf][0][i] = WQ_STAGE_SCALE ? fmaf(sc[mf][i / 2], acc0[mf][i], acc[mf][0][i]) : acc0[mf][i];
         // Fragment nf's MMAs over the stage's decoded A, or with fragment nf + 1's (pair).
         auto rest = [&](int nf, bool pair) {
             unsigned x[2][W_VEC / 2] = {};
             load_b(nf, x[0]);
             if (pair) {
                 load_b(nf + 1, x[1]);
-                wq_mma_rest<2>(a, x, acc, nf);
+                wq_mma_rest<2>(a, x, acc, nf, sc);
             } else {
-                wq_mma_rest<1>(a, x, acc, nf);
+                wq_mma_rest<1>(a, x, acc, nf, sc);
             }
         };
         if constexpr (WQ_PAIR_REST) {

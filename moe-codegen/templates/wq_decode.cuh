@@ -29,6 +29,15 @@ __device__ __forceinline__ bool wq_big(const WScale& ws) {
 // the row's sums in the epilogue, in fp32, so that n - z reaches the tensor cores exact rather
 // than each weight's (n - z) s being rounded to bf16 (which cost about 1.5e-3 of rel L2).
 constexpr bool WQ_SCALE_IN_EPILOGUE = {{ fmt.scales == "f16_zero" && fmt.group == 0 }};
+// f16 group scales that hold for whole stages (groups of at least WQ_SUB codes: int4 and int4
+// asym g128, int8 g64 and g128): the mixed-input mma.sync GEMM leaves them out of the decode, so
+// the tensor cores multiply n - z exact, and scales each stage's sums in fp32 (gemm_wq.cuh). That
+// saves bf16 its two instructions a pair (the scale's hi / lo split), fp16 its one.
+{%- if fmt.scales == "f16" || fmt.scales == "f16_zero" %}
+constexpr bool WQ_STAGE_SCALE = W_GROUP >= WQ_SUB;
+{%- else %}
+constexpr bool WQ_STAGE_SCALE = false;
+{%- endif %}
 // The scale the epilogue multiplies row `row`'s sums by.
 template <class M>
 __device__ __forceinline__ float wq_row_scale(const void* scales, long row) {
@@ -77,7 +86,8 @@ __device__ __forceinline__ unsigned h2_scaled(unsigned h, float s) {
 // One word of codes -> WQ_PAIRS act_t pairs (pair p: codes p and p + WQ_PAIRS, low half first),
 // times the group scale s (when the format has group scales; row scales wait for the epilogue).
 // big: some scale of the warp's stage is past the one-multiply range (WQ_BIG_SCALES); a constant
-// at every call.
+// at every call. SCALE false: the group scale is left out (WQ_STAGE_SCALE), zero points kept.
+template <bool SCALE = true>
 __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws, float s, unsigned (&out)[WQ_PAIRS]) {
     (void)big;
     (void)ws;
@@ -100,7 +110,7 @@ __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         unsigned v = act2_sub(and_or<0x000f000fu, magic>(w >> (4 * p)), off);
-        if constexpr (W_GROUP_SCALED && !WQ_SCALE_IN_EPILOGUE)
+        if constexpr (W_GROUP_SCALED && !WQ_SCALE_IN_EPILOGUE && SCALE)
             v = WQ_BF16 ? act2_fma(v, s_hi, act2_mul(v, s_lo)) : act2_mul(v, s_hi);
         out[p] = v;
     }
@@ -111,7 +121,7 @@ __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws
         float f[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) f[j] = __uint_as_float(__byte_perm(u, 0x4b000000u, 0x7650u + j)) - 8388736.0f;
-        const float sc = W_GROUP_SCALED ? s : 1.0f;
+        const float sc = W_GROUP_SCALED && SCALE ? s : 1.0f;
         out[0] = act2_pack(f[0] * sc, f[2] * sc);
         out[1] = act2_pack(f[1] * sc, f[3] * sc);
     } else {
@@ -119,7 +129,7 @@ __device__ __forceinline__ void wq_decode(bool big, unsigned w, const WScale& ws
         const unsigned magic = 0x64806480u;
         out[0] = act2_sub(__byte_perm(u, 0x64646464u, 0x4240u), magic);
         out[1] = act2_sub(__byte_perm(u, 0x64646464u, 0x4341u), magic);
-        if constexpr (W_GROUP_SCALED) {
+        if constexpr (W_GROUP_SCALED && SCALE) {
             const unsigned s2 = act2_splat(s);
             out[0] = act2_mul(out[0], s2);
             out[1] = act2_mul(out[1], s2);

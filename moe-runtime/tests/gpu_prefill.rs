@@ -445,8 +445,9 @@ fn grouped_quantized_formats_match_reference() {
     }
 }
 
-/// One small case per codec of the weights decoded in registers (int8, int4 with zero points, e2m1
-/// with e8m0 and with NVFP4 scales, e4m3 with e8m0 and per channel), with K ending in half a 128-code stage
+/// One small case per codec of the weights decoded in registers (int8 per channel and in groups of
+/// 64, int4 with zero points, e2m1 with e8m0 and with NVFP4 scales, e4m3 with e8m0 and per
+/// channel), with K ending in half a 128-code stage
 /// (hidden 320, intermediate 192): two out-of-range ids are counted and their pairs skipped, and a
 /// captured step replays bit for bit. Small enough to run under compute-sanitizer (memcheck,
 /// racecheck): `compute-sanitizer --tool racecheck gpu_prefill --ignored quantized_per_codec`.
@@ -455,8 +456,9 @@ fn grouped_quantized_formats_match_reference() {
 fn quantized_per_codec_edges_and_graph_replay() {
     use WeightFormat::*;
     let dev = gpu();
-    // Per-channel fp8 at hidden 320 (not whole 128-byte e4m3 tiles) is decoded in registers too.
-    for format in [Int8, Int4AsymG32, Mxfp4, Nvfp4, Mxfp8, Fp8E4m3] {
+    // Per-channel fp8 at hidden 320 (not whole 128-byte e4m3 tiles) is decoded in registers too;
+    // int8 g64's scales hold for whole stages (scaled in fp32 per stage, WQ_STAGE_SCALE).
+    for format in [Int8, Int8G64, Int4AsymG32, Mxfp4, Nvfp4, Mxfp8, Fp8E4m3] {
         let spec = MoeSpec::builder(320, 192, 16, 4).weight_format(format).build().unwrap();
         assert!(moe_codegen::grouped::decodes_weights(&spec), "{format}");
         let w = random_weights(&spec, fresh_seed());
