@@ -767,6 +767,18 @@ fn every_gemm_pipeline_matches_reference() {
     }
 }
 
+/// The tile tests' three steps against the reference: 17 tokens and 1000 (deterministic
+/// combine), 300 skewed (atomic), each from `seed`; `what` names the case in messages.
+fn tile_cases(layer: &mut MoeLayer, w: &HostWeights, seed: u64, what: &str) {
+    let (tol, min_cos) = tolerance(layer.spec());
+    for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
+        layer.set_deterministic(deterministic);
+        let (rel, cos) = layer_case(layer, w, m, skew, seed.wrapping_add(m as u64));
+        println!("{what} m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
+        assert!(rel <= tol && cos >= min_cos, "{what} m={m}: rel {rel:.3e} cos {cos:.8}");
+    }
+}
+
 /// 16-bit weights on the warp-specialised pipeline take column tiles of any multiple of 16 up to
 /// 256 (`GemmTiles::takes_any_width`): widths that are not powers of two, and not multiples of 64
 /// (whose epilogues store a partial last chunk, and an odd last fragment as pairs), alone and in
@@ -786,16 +798,10 @@ fn column_tiles_of_any_multiple_of_16_match_reference() {
         layer.set_validate_routing(true);
         let defaults = layer.grouped_tiles().unwrap();
         assert_eq!((defaults.bn1, defaults.bn2), (240, 240), "{format}: {defaults:?}");
-        let (tol, min_cos) = tolerance(&spec);
         for (bn1, bn2, cluster) in [(240, 240, 1), (240, 240, 2), (96, 192, 1), (240, 80, 1), (160, 160, 2)] {
             let tiles = GemmTiles { bn1, bn2, cluster, ..defaults };
             layer.set_grouped_tiles(&dev, tiles).unwrap_or_else(|e| panic!("{tiles:?}: {e}"));
-            for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
-                layer.set_deterministic(deterministic);
-                let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
-                println!("{format} {bn1}x{bn2} c{cluster} m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
-                assert!(rel <= tol && cos >= min_cos, "{format} {tiles:?} m={m}: rel {rel:.3e} cos {cos:.8}");
-            }
+            tile_cases(&mut layer, &w, seed, &format!("{format} {bn1}x{bn2} c{cluster}"));
         }
     }
     // Weights the producer decodes: 192-column tiles (96 neurons in GEMM1: the large-step
@@ -810,13 +816,7 @@ fn column_tiles_of_any_multiple_of_16_match_reference() {
         layer.set_large_step_tokens(1);
         let tiles = layer.grouped_tiles_for(17).unwrap();
         assert!(tiles.warp_specialized && (tiles.bn1, tiles.bn2) == (192, 192), "{format}: {tiles:?}");
-        let (tol, min_cos) = tolerance(&spec);
-        for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
-            layer.set_deterministic(deterministic);
-            let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
-            println!("{format} 192x192 m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
-            assert!(rel <= tol && cos >= min_cos, "{format} m={m}: rel {rel:.3e} cos {cos:.8}");
-        }
+        tile_cases(&mut layer, &w, seed, &format!("{format} 192x192"));
     }
 }
 
@@ -841,16 +841,10 @@ fn mixed_input_gemm2_takes_a_narrower_last_column_block() {
         let defaults = layer.grouped_tiles_for(17).unwrap();
         assert!(!defaults.warp_specialized && defaults.bn2 == 128, "{format}: {defaults:?}");
         assert!(defaults.partial_gemm2(&spec), "{format}: {defaults:?}");
-        let (tol, min_cos) = tolerance(&spec);
         for bn2 in [128, 256] {
             let tiles = GemmTiles { bn2, ..defaults };
             layer.set_grouped_tiles(&dev, tiles).unwrap_or_else(|e| panic!("{format} {tiles:?}: {e}"));
-            for (m, skew, deterministic) in [(17, 0.0, true), (300, 0.85, false), (1000, 0.0, true)] {
-                layer.set_deterministic(deterministic);
-                let (rel, cos) = layer_case(&mut layer, &w, m, skew, seed.wrapping_add(m as u64));
-                println!("{format} bn2={bn2} m={m} rows={deterministic}: rel_l2={rel:.3e} cos={cos:.8}");
-                assert!(rel <= tol && cos >= min_cos, "{format} {tiles:?} m={m}: rel {rel:.3e} cos {cos:.8}");
-            }
+            tile_cases(&mut layer, &w, seed, &format!("{format} bn2={bn2}"));
         }
     }
 }
