@@ -30,7 +30,6 @@ constexpr int WSCALE = {{ wscale }};
 constexpr int KT1 = HIDDEN * ELEM_BYTES / 128;  // k-tiles of GEMM1 (K = hidden)
 constexpr int KT2 = INTER * ELEM_BYTES / 128;   // k-tiles of GEMM2 (K = intermediate)
 static_assert(HIDDEN * ELEM_BYTES % 128 == 0 && INTER * ELEM_BYTES % 128 == 0, "whole k-tiles");
-
 // fp8 on the warp-specialised pipeline with 128 intermediate columns per GEMM1 tile: GEMM1's
 // epilogue quantizes them itself (one 128-column block per row), so mid is written once, in e4m3.
 constexpr bool MID_FP8 = {{ mid_fp8 }};
