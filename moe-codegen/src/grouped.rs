@@ -54,7 +54,8 @@ pub struct GemmTiles {
     /// extra rows as N), so the weight column is read once for both rather than once more for a
     /// handful of rows. Applies where the pipeline allows it (`extended_rows`):
     /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
-    /// (bf16 / fp16, per-channel fp8).
+    /// (bf16 / fp16, per-channel fp8, and the weights the producer decodes, whose stages hold
+    /// them scaled).
     pub tail: u32,
 }
 
@@ -173,7 +174,7 @@ impl GemmTiles {
     /// The rows GEMM1's extended items add (`tail` where the pipeline allows it, else 0).
     pub fn extended_rows(&self, spec: &MoeSpec) -> u32 {
         let unscaled = !quantizes_activations(spec) || x_per_token(spec);
-        let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled && !decodes_weights(spec);
+        let fits = self.warp_specialized && self.cluster == 1 && self.bn1 == 256 && unscaled;
         if fits {
             self.tail
         } else {
@@ -184,9 +185,13 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM1 (with its extended rows).
     pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
-            Some(bits) if self.warp_specialized => {
-                self.ws_decode_smem_bytes(self.bn1, bits, self.pack_ring(spec), decoded_cols(spec))
-            }
+            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(
+                self.bn1,
+                bits,
+                self.pack_ring(spec),
+                decoded_cols(spec),
+                self.extended_rows(spec),
+            ),
             Some(bits) => self.wq_smem_bytes(self.bn1, bits),
             None => self.smem_bytes(self.bn1, self.extended_rows(spec)),
         }
@@ -196,7 +201,7 @@ impl GemmTiles {
     pub fn gemm2_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
             Some(bits) if self.warp_specialized => {
-                self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec), decoded_cols(spec))
+                self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec), decoded_cols(spec), 0)
             }
             Some(bits) => self.wq_smem_bytes(self.bn2, bits),
             None => self.smem_bytes(self.bn2, 0),
@@ -204,20 +209,25 @@ impl GemmTiles {
     }
 
     /// Weights decoded on the warp-specialised pipeline (`gemm_wsq.cuh`): the slots of packed
-    /// k-tiles the producer keeps in flight, as many as both GEMMs' shared memory leaves room for
-    /// (2 to 4); 0 for other weights or pipelines.
+    /// k-tiles the producer keeps in flight (2 to 4), as many as keep both GEMMs' shared memory
+    /// within [`L1_KEEPING_SMEM`] where any does, else as many as fit; 0 for other weights or
+    /// pipelines.
     pub fn pack_ring(&self, spec: &MoeSpec) -> u32 {
         let spec = &spec.kernel_spec();
         match wq_bits(spec) {
             Some(bits) if self.warp_specialized => {
                 let (block, _) = smem_limits(Arch::Sm90a);
                 let cols = decoded_cols(spec);
-                let fits = |r| {
-                    self.ws_decode_smem_bytes(self.bn1, bits, r, cols)
-                        .max(self.ws_decode_smem_bytes(self.bn2, bits, r, cols))
-                        <= block
+                let ext = self.extended_rows(spec);
+                let need = |r| {
+                    self.ws_decode_smem_bytes(self.bn1, bits, r, cols, ext)
+                        .max(self.ws_decode_smem_bytes(self.bn2, bits, r, cols, 0))
                 };
-                (2..=4).rev().find(|&r| fits(r)).unwrap_or(2)
+                (2..=4)
+                    .rev()
+                    .find(|&r| need(r) <= L1_KEEPING_SMEM)
+                    .or_else(|| (2..=4).rev().find(|&r| need(r) <= block))
+                    .unwrap_or(2)
             }
             _ => 0,
         }
@@ -227,11 +237,15 @@ impl GemmTiles {
     /// (`ws_smem_bytes` with `WS_DECODE` in `gemm_ws.cuh`): the stages and the warp-specialised
     /// bookkeeping of [`Self::smem_bytes`] (the per-column floats only with `cols`:
     /// [`decoded_cols`]), the ring's mbarriers (64 bytes), then from the next 128-byte boundary
-    /// `ring` slots of `bn` rows x 64 codes and two items' A row offsets.
-    fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32, cols: bool) -> u32 {
+    /// `ring` slots of `bn` rows x 64 codes, two items' A row offsets and (`ext` extended rows)
+    /// their activations.
+    fn ws_decode_smem_bytes(&self, bn: u32, bits: u32, ring: u32, cols: bool, ext: u32) -> u32 {
         let floats = if cols { 2 * bn * 4 } else { 0 };
         let slots = ((32 * self.stages + 32 + 8).next_multiple_of(16) + floats + 8 * 2048 + 64).next_multiple_of(128);
-        self.stages * (self.bm + bn) * BK_BYTES + 1024 + slots + ring * bn * 8 * bits + 2 * self.bm * 4
+        // Two items' row offsets (bm, then ext each); the extended rows' activations take the
+        // staging.
+        let rows = 2 * (self.bm + ext) * 4;
+        self.stages * (self.bm + ext + bn) * BK_BYTES + 1024 + slots + ring * bn * 8 * bits + rows
     }
 
     /// Dynamic shared memory of a mixed-input GEMM (`gemm_wq.cuh`: `WqShape::SMEM_BYTES`) with
@@ -551,6 +565,13 @@ impl GemmTiles {
         out
     }
 }
+
+/// Dynamic shared memory up to which an H100 / H200 block leaves 60 KiB of L1 (the 196 KiB
+/// carve-out, less the 1 KiB the driver reserves per block); past it the SM takes the 228 KiB
+/// carve-out and 28 KiB of L1. The decoded pipeline's scale loads go through L1: with GEMM1's
+/// extended items on a ring of 4 slots, 4-bit formats were 2-3.5% slower under skewed routing
+/// (Qwen3-30B-A3B at 2048 and 4096 tokens, H200) than without them, which a ring of 3 avoids.
+pub const L1_KEEPING_SMEM: u32 = 195 * 1024;
 
 /// Dynamic shared memory one block may opt into, and one SM holds, on `arch` (H100 / B200:
 /// 227 / 228 KiB; RTX PRO 6000, sm_120: 99 / 100 KiB).
@@ -899,8 +920,13 @@ mod tests {
         assert!(refused(GemmTiles { cluster: 1, warp_specialized: false, lag: 0, tail: 0, ..ws }));
         let decoded = GemmTiles { cluster: 1, stages: 3, ..ws };
         let k = render_grouped(&s, Arch::Sm90a, decoded).unwrap();
-        assert!(k.source.contains("constexpr int PACK_RING = 4;") && k.source.contains("constexpr int PACK_BITS = 4;"));
-        assert_eq!(decoded.extended_rows(&s), 0, "no extended items where the producer decodes");
+        // Three slots of the ring (four would take the stages past L1_KEEPING_SMEM, with or
+        // without extended items: per-channel int4's column scales take 2 KiB).
+        assert!(k.source.contains("constexpr int PACK_RING = 3;") && k.source.contains("constexpr int PACK_BITS = 4;"));
+        assert_eq!(decoded.extended_rows(&s), 16, "the producer's decoded stages take extended items too");
+        assert!(k.source.contains("constexpr int TAIL = 16;"));
+        let k0 = render_grouped(&s, Arch::Sm90a, GemmTiles { tail: 0, ..decoded }).unwrap();
+        assert!(k0.source.contains("constexpr int PACK_RING = 3;") && k0.source.contains("constexpr int TAIL = 0;"));
         assert!(render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).is_ok());
         let lut = MoeSpec::builder(2048, 768, 128, 8)
             .weight_format(WeightFormat::Int4)

@@ -238,7 +238,10 @@ pub fn gemm_tiles(spec: &MoeSpec, arch: Arch) -> GemmTiles {
 /// rows per tile, 128 neurons (256 columns of w13) and 256 hidden outputs where they divide, else
 /// 96 and 192 (gpt-oss-20b's 2880: 21-29% faster at 1024 and 4096 tokens than 64-wide GEMM2
 /// tiles on an H200, docs/prefill-notes.md), three stages (the most that leave room for the ring
-/// of packed k-tiles at 256 columns).
+/// of packed k-tiles at 256 columns), and GEMM1's extended items where its tiles are 256 wide
+/// (an expert's last tile of up to 16 pairs computed with the tile before it: each such tile
+/// would cost a whole decode of the expert's weights; Qwen3-30B-A3B under uniform routing on an
+/// H200, 4-10% faster at 2048 tokens and 4-7% at 4096, docs/prefill-notes.md).
 ///
 /// Why: there every expert fills most of a 128-row tile, and each weight decoded once per tile
 /// feeds wgmma rather than the decoding warps' own `mma.sync`. Qwen3-30B-A3B at M = 1024, 2048
@@ -249,9 +252,10 @@ pub fn large_step_tiles(spec: &MoeSpec, arch: Arch) -> Option<GemmTiles> {
         return None;
     }
     let (h, i) = (spec.hidden(), spec.intermediate());
+    let bn1 = 2 * widest(i, &[128, 96, 64]);
     let t = GemmTiles {
         bm: 128,
-        bn1: 2 * widest(i, &[128, 96, 64]),
+        bn1,
         bn2: widest(h, &[256, 192, 128, 64]),
         stages: 3,
         blocks_per_sm: 1,
@@ -259,7 +263,8 @@ pub fn large_step_tiles(spec: &MoeSpec, arch: Arch) -> Option<GemmTiles> {
         warp_specialized: true,
         cluster: 1,
         lag: 0,
-        tail: 0,
+        // Extended items where GEMM1's tiles are 256 wide (the pipeline's condition).
+        tail: if bn1 == 256 { 16 } else { 0 },
     };
     (t.check(spec, arch).is_ok() && t.fits(spec, arch)).then_some(t)
 }
@@ -381,6 +386,8 @@ mod tests {
                 if let Some(t) = t {
                     assert!(t.warp_specialized && t.mma == Mma::Wgmma && t.bm == 128, "{geo} {f}: {t:?}");
                     assert!(t.pack_ring(&s) >= 2 && t.fits(&s, Arch::Sm90a), "{geo} {f}: {t:?}");
+                    // Extended items wherever GEMM1's tiles are 256 wide (not gpt-oss-20b's 192).
+                    assert_eq!(t.extended_rows(&s), if t.bn1 == 256 { 16 } else { 0 }, "{geo} {f}: {t:?}");
                     crate::render_grouped(&s, Arch::Sm90a, t).unwrap();
                 }
                 assert!(large_step_tiles(&s, Arch::Sm100a).is_none() && large_step_tiles(&s, Arch::Sm120a).is_none());
@@ -388,9 +395,25 @@ mod tests {
         }
         let qwen3 = |f| MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap();
         assert_eq!(large_step_tokens(&qwen3(WeightFormat::Mxfp4)), 1024);
-        // The ring: four 8 KiB slots of 4-bit k-tiles at 256 columns, three of 16 KiB for 8-bit.
-        let ring = |f| large_step_tiles(&qwen3(f), Arch::Sm90a).unwrap().pack_ring(&qwen3(f));
-        assert_eq!((ring(WeightFormat::Mxfp4), ring(WeightFormat::Int8)), (4, 3));
+        // The ring: 8 KiB slots of 4-bit k-tiles at 256 columns, three, so that GEMM1's stages with
+        // the extended rows stay within the carve-out that keeps L1 (four without them); three
+        // of 16 KiB for 8-bit, past it either way.
+        let tiles = |f| large_step_tiles(&qwen3(f), Arch::Sm90a).unwrap();
+        let ring = |f| tiles(f).pack_ring(&qwen3(f));
+        assert_eq!((ring(WeightFormat::Mxfp4), ring(WeightFormat::Nvfp4), ring(WeightFormat::Int8)), (3, 3, 3));
+        for f in [WeightFormat::Mxfp4, WeightFormat::Nvfp4, WeightFormat::Int4G128] {
+            let t = tiles(f);
+            assert!(
+                t.gemm1_smem_bytes(&qwen3(f)).max(t.gemm2_smem_bytes(&qwen3(f))) <= crate::grouped::L1_KEEPING_SMEM
+            );
+            assert_eq!(
+                GemmTiles { tail: 0, ..t }.pack_ring(&qwen3(f)),
+                if f == WeightFormat::Nvfp4 { 3 } else { 4 },
+                "{f}"
+            );
+        }
+        let int8 = tiles(WeightFormat::Int8);
+        assert!(int8.gemm1_smem_bytes(&qwen3(WeightFormat::Int8)) > crate::grouped::L1_KEEPING_SMEM);
     }
 
     /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),

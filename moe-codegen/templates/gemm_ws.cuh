@@ -176,10 +176,6 @@ __device__ __forceinline__ unsigned ws_out_addr(unsigned bars) {
 // and ext_store (extended items only).
 template <int BN>
 __host__ __device__ constexpr unsigned ws_ext_off() { return ws_cols_off() + ws_cols_bytes<BN>() + 8 * 2048; }
-template <int BN>
-__device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
-    return bars + ws_ext_off<BN>();
-}
 // The dynamic shared memory ws_gemm<BN, .., EXT> takes: 1 KiB of alignment slack, the stages,
 // then from bars up to the end of the extended rows (checked against the host's in grouped_gemm.cu).
 // WS_DECODE: past the staging, the packed weights' ring: its 2 PACK_RING mbarriers (64 bytes),
@@ -191,15 +187,31 @@ __host__ __device__ constexpr unsigned ws_slots_off() { return (ws_ring_off<BN>(
 template <int BN>
 __host__ __device__ constexpr int ws_pack_bytes() { return BN * 8 * PACK_BITS; }
 // Past the ring's slots: two items' A row offsets (BM u32 each), written when the producer takes
-// an item and read at each of its k-tiles.
+// an item and read at each of its k-tiles, then (extended items) two items' EXT more.
 constexpr int WS_ROW_BUF = 2 * BM * 4;
+template <int BN>
+__host__ __device__ constexpr unsigned ws_row_buf_off() { return ws_slots_off<BN>() + PACK_RING * ws_pack_bytes<BN>(); }
+// Where the extended rows' activations lie: past the staging, or with decoded weights (whose
+// ring lies there) in the staging itself, which the consumer warps take for their epilogue only
+// once the activations are stored (ext_store's barriers): so that the tiles' shared memory stays
+// within the carve-out that keeps 60 KB of L1 for the scale loads (GemmTiles::pack_ring).
+template <int BN, int EXT>
+__host__ __device__ constexpr unsigned ws_ext_buf_off() {
+    return WS_DECODE ? ws_cols_off() + ws_cols_bytes<BN>() : ws_ext_off<BN>();
+}
+template <int BN, int EXT>
+__device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
+    return bars + ws_ext_buf_off<BN, EXT>();
+}
 template <int BN, int EXT>
 __host__ __device__ constexpr int ws_smem_bytes() {
-    if constexpr (WS_DECODE)
-        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_slots_off<BN>() + PACK_RING * ws_pack_bytes<BN>() +
-               WS_ROW_BUF;
-    else
-        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_off<BN>() + EXT * (BN / 2) * (int)sizeof(act_t);
+    if constexpr (WS_DECODE) {
+        static_assert(EXT * (BN / 2) * (int)sizeof(act_t) <= 8 * 2048, "the extended rows within the staging");
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_row_buf_off<BN>() + WS_ROW_BUF + 2 * EXT * 4;
+    } else {
+        return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_buf_off<BN, EXT>() +
+               EXT * (BN / 2) * (int)sizeof(act_t);
+    }
 }
 // An extended item's rows BM .. BM + EXT of stage (sa, sb) against consumer warpgroup wg's 64
 // of each half of the BN = 256 weight rows (the gate neurons 64 wg .. and their up rows), as
@@ -406,13 +418,14 @@ __device__ __forceinline__ unsigned ws_pslot(unsigned bars, int pos) {
 // the row buffer, which every thread reads at each k-tile (16-byte loads of its 8 rows) rather
 // than holding them in registers the decode needs.
 // Ring header (64 bytes): pfull[PACK_RING] (the TMA bytes), then pfree[PACK_RING] (the decoding warps).
-template <int BN, int KT, bool KEEP_A, bool EARLY_B, class SI, class Item, class ARow, class BLoad, class BScales,
-          class BDecode, class ALoad>
+template <int BN, int KT, bool KEEP_A, bool EARLY_B, int EXT, class SI, class Item, class ARow, class BLoad,
+          class BScales, class BDecode, class ALoad>
 __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars, SI* stage_item, volatile int* next_item,
                                                    int work, int* work_counter, Item item, ARow a_row, const char* a_any,
                                                    BLoad b_load, BScales b_scales, BDecode b_decode, ALoad a_load) {
-    using S = WsShape<BN, false, 0>;
+    using S = WsShape<BN, false, EXT>;
     constexpr bool GATHER = IsGatherA<ALoad>::value;
+    static_assert(EXT == 0 || GATHER, "extended rows are gathered");
     constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
     static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 64, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
@@ -442,13 +455,17 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
         return __shfl_sync(0xffffffffu, w, 0);
     };
     // Row r of an item goes to entry (r % 16) * 8 + r / 16 of its half of the row buffer, so that
-    // thread t's rows t / 8 + 16 j are its group's 8 consecutive entries.
-    const unsigned row_buf = bars + ws_slots_off<BN>() + PACK_RING * ws_pack_bytes<BN>();
+    // thread t's rows t / 8 + 16 j are its group's 8 consecutive entries; an extended item's row
+    // BM + r to entry r of its half of the EXT entries past them.
+    const unsigned row_buf = bars + ws_row_buf_off<BN>(), ext_buf = row_buf + WS_ROW_BUF;
+    auto offset_of = [&](const char* p) { return p ? (unsigned)((p - a_any) / 16) : ~0u; };
     auto put_row = [&](const It& x, int half) {
-        const char* p = a_row(x, t);
-        const unsigned off = p ? (unsigned)((p - a_any) / 16) : ~0u;
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row_buf + half * BM * 4 + ((t % 16) * 8 + t / 16) * 4), "r"(off)
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row_buf + half * BM * 4 + ((t % 16) * 8 + t / 16) * 4),
+                     "r"(offset_of(a_row(x, t)))
                      : "memory");
+        if (EXT > 0 && t < EXT && x.ext)
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(ext_buf + (half * EXT + t) * 4), "r"(offset_of(a_row(x, BM + t)))
+                         : "memory");
     };
     int w = take();
     It it = item(w < work ? w : 0, 0), nit = it;
@@ -466,6 +483,14 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
         // half the next item's rows go to).
         asm volatile("bar.sync 1, 128;" ::: "memory");
         const unsigned my_rows = row_buf + half * BM * 4 + (t / 8) * 32;
+        // An extended item's rows past BM of this thread (rows BM + t / 8 + 16 j), read once.
+        const bool ext = EXT > 0 && it.ext;
+        unsigned ext_rows[S::EXT_ROWS > 0 ? S::EXT_ROWS : 1];
+#pragma unroll
+        for (int j = 0; j < S::EXT_ROWS; ++j)
+            if (ext)
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(ext_rows[j]) : "r"(ext_buf + (half * EXT + t / 8 + 16 * j) * 4)
+                             : "memory");
         have_next = false;
 #pragma unroll 1
         for (int kt = 0; kt < KT; ++kt, ++s) {
@@ -498,6 +523,13 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                     cp_async16(sa + swz(t / 8 + 16 * j, c),
                                a_any + (live ? (size_t)rows[j] * 16 + kt * BK_BYTES : 0) + c * 16, live);
                 }
+                if (ext)
+#pragma unroll
+                    for (int j = 0; j < S::EXT_ROWS; ++j) {
+                        const bool live = ext_rows[j] != ~0u;
+                        cp_async16(sa + swz(BM + t / 8 + 16 * j, c),
+                                   a_any + (live ? (size_t)ext_rows[j] * 16 + kt * BK_BYTES : 0) + c * 16, live);
+                    }
                 cp_async_arrive_noinc(full(st));
                 live_halves = (rows[0] != ~0u) | (rows[4] != ~0u) << 1;
             } else {
@@ -587,7 +619,7 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
     if constexpr (WS_DECODE) {
         if (threadIdx.x < 128) {
             set_max_regs_dec<PRODUCER_REGS>();
-            ws_produce_decoded<BN, KT, KEEP_A, EARLY_B>(base, bars, stage_item, next_item, work, work_counter, item,
+            ws_produce_decoded<BN, KT, KEEP_A, EARLY_B, EXT>(base, bars, stage_item, next_item, work, work_counter, item,
                                                         a_row, a_any, b_load, b_scales, b_decode, a_load);
             produced = true;
         }
@@ -838,8 +870,11 @@ __device__ __forceinline__ void ws_gemm(char* smem_raw, int work, int* work_coun
             // Qwen3-30B-A3B at M = 4096 on an H200, two rounds, 588-596 against 601-603 us
             // uniform, 607-610 against 610-614 skewed (on an H100 within the spread).
             if (ext) {
-                ext_act(it, static_cast<const float*>(eacc), cols(), ws_ext_addr<BN>(bars));
-                ext_store(it, ws_ext_addr<BN>(bars));
+                // Decoded weights: the buffer is the staging, free once every consumer warp is
+                // past its previous epilogue.
+                if constexpr (WS_DECODE) asm volatile("bar.sync 5, 256;" ::: "memory");
+                ext_act(it, static_cast<const float*>(eacc), cols(), ws_ext_addr<BN, EXT>(bars));
+                ext_store(it, ws_ext_addr<BN, EXT>(bars));
             }
             epilogue(it, acc, row0, ep, cols(), ws_out_addr<BN>(bars));
         }

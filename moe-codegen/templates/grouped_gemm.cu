@@ -555,10 +555,15 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
             }
             __syncwarp();
         } else {
-            const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
+            // Decoded weights' consumers have 16 registers fewer: there the column scales are
+            // loaded as the fragments are stored (held up front beside the extended rows, int8 and
+            // nvfp4 spilled 300-600 B).
+            constexpr int HELD = WS_DECODE ? 1 : S::NF;
+            const ThreadCols<HELD> sc = thread_cols<HELD>(cols, lane);
+            auto col = [&](int q) { return WS_DECODE ? col_scale(cols, lane, q) : sc.v[q]; };
             // Decoded weights' GEMM2 reads the intermediate paired as its weight codes (x_pair_col).
             store_warp_rows<NQ, X_PAIRED>(
-                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, sc.v[q], sc.v[q + NQ], ep.xs[h], bcol); },
+                buf, [&](int q, int h) { return swiglu_pair<NQ>(acc, q, h, col(q), col(q + NQ), ep.xs[h], bcol); },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0 ? nullptr
                                                        : mid + (long)(it.tile * BM + row0 + r) * INTER + it.nblk * (BN1 / 2);
@@ -579,8 +584,8 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         float xs[EK];
 #pragma unroll
         for (int k = 0; k < EK; ++k) xs[k] = X_PER_ROW ? a_scales[row0 + 8 * (k / 2) + 2 * (lane % 4) + k % 2] : 1.f;
-        float2 sg = make_float2(1.f, 1.f), su = sg;
-        if constexpr (WSCALE == 1) {
+        float2 sg = make_float2(MOE_COL_UNIT, MOE_COL_UNIT), su = sg;
+        if constexpr (COLS) {
             cols_ready();
             sg = make_float2(cols[nl], cols[nl + 8]);
             su = make_float2(cols[BN1 / 2 + nl], cols[BN1 / 2 + nl + 8]);
@@ -625,7 +630,8 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 if (c == 0) mid_scales[pos * (INTER / 128) + it.nblk] = scale;
             }
         } else if (p >= 0) {
-            *reinterpret_cast<uint4*>(mid + pos * INTER + it.nblk * (BN1 / 2) + 8 * c) = raw;
+            // Decoded weights' GEMM2 reads the intermediate paired as its weight codes (x_pair_col).
+            *reinterpret_cast<uint4*>(mid + pos * INTER + it.nblk * (BN1 / 2) + 8 * c) = X_PAIRED ? x_pair_chunk(raw) : raw;
         }
     };
 #if MOE_WS_DECODE
@@ -713,10 +719,15 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
         if constexpr (COLS) cols_ready();
         const ThreadCols<S::NF> sc = thread_cols<S::NF>(cols, lane);
         if (!ATOMIC) {
-            // The routing weight is applied by the combine (moe_combine_rows).
+            // The routing weight is applied by the combine (moe_combine_rows). Decoded weights'
+            // consumers load the column scales as the fragments are stored (as GEMM1's).
+            auto col = [&](int q) { return WS_DECODE ? col_scale(cols, lane, q) : sc.v[q]; };
             store_warp_rows<S::NF>(
                 buf,
-                [&](int q, int h) { return make_float2(acc[q * 4 + 2 * h] * sc.v[q].x, acc[q * 4 + 2 * h + 1] * sc.v[q].y); },
+                [&](int q, int h) {
+                    const float2 c = col(q);
+                    return make_float2(acc[q * 4 + 2 * h] * c.x, acc[q * 4 + 2 * h + 1] * c.y);
+                },
                 [&](int r) -> act_t* {
                     return from_row_owner(ep.p, r) < 0
                                ? nullptr

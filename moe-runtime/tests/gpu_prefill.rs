@@ -648,9 +648,15 @@ fn whole_layer_from_logits_is_captured_and_replayed() {
     }
 }
 
+/// Whether `MOE_FORMATS=a,b` (unset: every format) names `f`.
+fn wanted(f: WeightFormat) -> bool {
+    std::env::var("MOE_FORMATS").map_or(true, |v| v.split(',').any(|n| n == f.name()))
+}
+
 /// GEMM1's extended items (an expert's last tile of 1-16 pairs computed with the tile before it),
 /// on routings whose expert counts sit on either side of that edge, against the reference and
-/// against the same kernels without them (Qwen3-30B-A3B's geometry, bf16 and per-channel fp8).
+/// against the same kernels without them (Qwen3-30B-A3B's geometry: bf16, per-channel fp8, and
+/// mxfp4, int8 and nvfp4 on the decoding producer's large-step tiles). `MOE_FORMATS` picks some.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn extended_items_match_reference() {
@@ -676,16 +682,20 @@ fn extended_items_match_reference() {
     for (j, &x) in labels.iter().enumerate() {
         ids[(j % m) * k + j / m] = x;
     }
-    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+    let formats =
+        [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Mxfp4, WeightFormat::Int8, WeightFormat::Nvfp4];
+    for format in formats.into_iter().filter(|f| wanted(*f)) {
         let spec = MoeSpec::builder(2048, 768, e as u32, k as u32).weight_format(format).build().unwrap();
         let seed = fresh_seed();
         let w = random_weights(&spec, seed);
         let (x, _, rw) = random_step(&spec, m, 0.0, seed);
         let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
         layer.set_validate_routing(true);
-        let tiles = layer.grouped_tiles().unwrap();
-        // On by default for bf16; per-channel fp8 takes them as an option (GemmTiles::tail).
-        let default = if format == WeightFormat::Bf16 { 16 } else { 0 };
+        // Decoded weights: the large-step tiles (1024 tokens is where they start on this geometry).
+        let tiles = layer.grouped_tiles_for(m).unwrap();
+        // On by default for bf16 and the decoded formats' large steps; per-channel fp8 takes them
+        // as an option (GemmTiles::tail).
+        let default = if format == WeightFormat::Fp8E4m3 { 0 } else { 16 };
         assert_eq!(tiles.extended_rows(&spec), default, "{format}: extended items by default on sm_90a");
         let (tol, min_cos) = tolerance(&spec);
         let mut outputs = Vec::new();
