@@ -182,6 +182,18 @@ impl GemmTiles {
         }
     }
 
+    /// The rows GEMM2's extended items add: GEMM1's where the producer decodes the weights and
+    /// GEMM2's tiles are 256 wide (its decode is what a short tile would repeat; bf16 / fp16 and
+    /// fp8 GEMM2 tiles cost a TMA of weights from L2 and take none), else 0. Its deterministic
+    /// kernel only (`moe_gemm2_rows`): the atomic one keeps the layout's tiles.
+    pub fn gemm2_extended_rows(&self, spec: &MoeSpec) -> u32 {
+        if decodes_weights(spec) && self.bn2 == 256 {
+            self.extended_rows(spec)
+        } else {
+            0
+        }
+    }
+
     /// Dynamic shared memory of GEMM1 (with its extended rows).
     pub fn gemm1_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
@@ -200,9 +212,13 @@ impl GemmTiles {
     /// Dynamic shared memory of GEMM2.
     pub fn gemm2_smem_bytes(&self, spec: &MoeSpec) -> u32 {
         match wq_bits(spec) {
-            Some(bits) if self.warp_specialized => {
-                self.ws_decode_smem_bytes(self.bn2, bits, self.pack_ring(spec), decoded_cols(spec), 0)
-            }
+            Some(bits) if self.warp_specialized => self.ws_decode_smem_bytes(
+                self.bn2,
+                bits,
+                self.pack_ring(spec),
+                decoded_cols(spec),
+                self.gemm2_extended_rows(spec),
+            ),
             Some(bits) => self.wq_smem_bytes(self.bn2, bits),
             None => self.smem_bytes(self.bn2, 0),
         }
@@ -218,10 +234,10 @@ impl GemmTiles {
             Some(bits) if self.warp_specialized => {
                 let (block, _) = smem_limits(Arch::Sm90a);
                 let cols = decoded_cols(spec);
-                let ext = self.extended_rows(spec);
+                let (ext1, ext2) = (self.extended_rows(spec), self.gemm2_extended_rows(spec));
                 let need = |r| {
-                    self.ws_decode_smem_bytes(self.bn1, bits, r, cols, ext)
-                        .max(self.ws_decode_smem_bytes(self.bn2, bits, r, cols, 0))
+                    self.ws_decode_smem_bytes(self.bn1, bits, r, cols, ext1)
+                        .max(self.ws_decode_smem_bytes(self.bn2, bits, r, cols, ext2))
                 };
                 (2..=4)
                     .rev()
@@ -388,6 +404,8 @@ struct GroupedGemmCu {
     cluster: u32,
     lag: u32,
     tail: u32,
+    /// GEMM2's extended rows ([`GemmTiles::gemm2_extended_rows`]).
+    tail2: u32,
     mid_fp8: bool,
     x_per_row: bool,
     /// Weights decoded by the warp-specialised producer: its ring's slots
@@ -666,6 +684,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         cluster: tiles.cluster,
         lag: tiles.lag,
         tail: ext,
+        tail2: tiles.gemm2_extended_rows(spec),
         mid_fp8: tiles.quantizes_mid(spec),
         x_per_row: x_per_token(spec),
         pack_ring: tiles.pack_ring(spec),
@@ -924,7 +943,8 @@ mod tests {
         // without extended items: per-channel int4's column scales take 2 KiB).
         assert!(k.source.contains("constexpr int PACK_RING = 3;") && k.source.contains("constexpr int PACK_BITS = 4;"));
         assert_eq!(decoded.extended_rows(&s), 16, "the producer's decoded stages take extended items too");
-        assert!(k.source.contains("constexpr int TAIL = 16;"));
+        assert_eq!(decoded.gemm2_extended_rows(&s), 16, "GEMM2's too");
+        assert!(k.source.contains("constexpr int TAIL = 16;") && k.source.contains("constexpr int TAIL2 = 16;"));
         let k0 = render_grouped(&s, Arch::Sm90a, GemmTiles { tail: 0, ..decoded }).unwrap();
         assert!(k0.source.contains("constexpr int PACK_RING = 3;") && k0.source.contains("constexpr int TAIL = 0;"));
         assert!(render_grouped(&s, Arch::Sm90a, GemmTiles::for_spec(&s, Arch::Sm90a)).is_ok());
@@ -1063,6 +1083,9 @@ mod tests {
             assert_eq!(t.parse("256,256,4,1,1,1,0,0").map(|t| t.tail), Some(0));
             assert_eq!(GemmTiles { tail: 0, ..t }.parse("256,256,4,1,1,1,0,16"), Some(t));
             assert_eq!(GemmTiles::for_spec(&s, Arch::Sm120a).extended_rows(&s), 0, "{f}: mma.sync tiles");
+            // GEMM2 extends them only where the producer decodes its weights.
+            assert_eq!(t.gemm2_extended_rows(&s), 0, "{f}");
+            assert!(k.source.contains("constexpr int TAIL2 = 0;"));
         }
         // Off where the scales change along K, in clusters (Mixtral-8x7B), on 128-wide tiles and
         // on the block-barrier pipeline.

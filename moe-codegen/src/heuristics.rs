@@ -388,6 +388,8 @@ mod tests {
                     assert!(t.pack_ring(&s) >= 2 && t.fits(&s, Arch::Sm90a), "{geo} {f}: {t:?}");
                     // Extended items wherever GEMM1's tiles are 256 wide (not gpt-oss-20b's 192).
                     assert_eq!(t.extended_rows(&s), if t.bn1 == 256 { 16 } else { 0 }, "{geo} {f}: {t:?}");
+                    let ext2 = if t.bn1 == 256 && t.bn2 == 256 { 16 } else { 0 };
+                    assert_eq!(t.gemm2_extended_rows(&s), ext2, "{geo} {f}: GEMM2 extends GEMM1's items");
                     crate::render_grouped(&s, Arch::Sm90a, t).unwrap();
                 }
                 assert!(large_step_tiles(&s, Arch::Sm100a).is_none() && large_step_tiles(&s, Arch::Sm120a).is_none());

@@ -206,7 +206,7 @@ __device__ __forceinline__ unsigned ws_ext_addr(unsigned bars) {
 template <int BN, int EXT>
 __host__ __device__ constexpr int ws_smem_bytes() {
     if constexpr (WS_DECODE) {
-        static_assert(EXT * (BN / 2) * (int)sizeof(act_t) <= 8 * 2048, "the extended rows within the staging");
+        static_assert(EXT * BN * (int)sizeof(act_t) <= 8 * 2048, "the extended rows within the staging");
         return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_row_buf_off<BN>() + WS_ROW_BUF + 2 * EXT * 4;
     } else {
         return 1024 + STAGES * WsShape<BN, false, EXT>::STAGE_BYTES + ws_ext_buf_off<BN, EXT>() +
@@ -425,7 +425,6 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                                                    BLoad b_load, BScales b_scales, BDecode b_decode, ALoad a_load) {
     using S = WsShape<BN, false, EXT>;
     constexpr bool GATHER = IsGatherA<ALoad>::value;
-    static_assert(EXT == 0 || GATHER, "extended rows are gathered");
     constexpr int AHEAD = PACK_RING - 1 < KT ? PACK_RING - 1 : KT;
     static_assert(PACK_RING >= 2 && 16 * PACK_RING <= 64, "a slot decoded while the next loads; the ring's header");
     const int t = threadIdx.x, c = t % 8;
@@ -483,14 +482,21 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
         // half the next item's rows go to).
         asm volatile("bar.sync 1, 128;" ::: "memory");
         const unsigned my_rows = row_buf + half * BM * 4 + (t / 8) * 32;
-        // An extended item's rows past BM of this thread (rows BM + t / 8 + 16 j), read once.
+        // An extended item's rows past BM of this thread (rows BM + t / 8 + 16 j), read once: their
+        // offsets (gathered A), or their addresses (A in tile order, where they follow the tile's).
         const bool ext = EXT > 0 && it.ext;
         unsigned ext_rows[S::EXT_ROWS > 0 ? S::EXT_ROWS : 1];
 #pragma unroll
         for (int j = 0; j < S::EXT_ROWS; ++j)
-            if (ext)
-                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(ext_rows[j]) : "r"(ext_buf + (half * EXT + t / 8 + 16 * j) * 4)
-                             : "memory");
+            if (ext) {
+                if constexpr (GATHER)
+                    asm volatile("ld.shared.u32 %0, [%1];"
+                                 : "=r"(ext_rows[j])
+                                 : "r"(ext_buf + (half * EXT + t / 8 + 16 * j) * 4)
+                                 : "memory");
+                else
+                    ext_rows[j] = (unsigned)((a_row(it, BM + t / 8 + 16 * j) - a_any) / 16);
+            }
         have_next = false;
 #pragma unroll 1
         for (int kt = 0; kt < KT; ++kt, ++s) {
@@ -534,9 +540,20 @@ __device__ __forceinline__ void ws_produce_decoded(unsigned base, unsigned bars,
                 live_halves = (rows[0] != ~0u) | (rows[4] != ~0u) << 1;
             } else {
                 // One box by TMA (its bytes complete the stage's phase), an arrival from each of
-                // the other threads in place of their copies'.
-                if (t == 0) {
-                    mbar_arrive_expect_tx(full(st), S::A_BYTES);
+                // the other threads in place of their copies'. An extended item's rows past the box:
+                // a 16-byte chunk each by cp.async, every thread arriving once they land.
+                if (ext) {
+                    if (t == 0) {
+                        mbar_expect_tx(full(st), BM * BK_BYTES);
+                        a_load(it, kt, sa, full(st));
+                    }
+#pragma unroll
+                    for (int j = 0; j < S::EXT_ROWS; ++j)
+                        cp_async16(sa + swz(BM + t / 8 + 16 * j, c), a_any + (size_t)ext_rows[j] * 16 + kt * BK_BYTES + c * 16,
+                                   true);
+                    cp_async_arrive_noinc(full(st));
+                } else if (t == 0) {
+                    mbar_arrive_expect_tx(full(st), BM * BK_BYTES);
                     a_load(it, kt, sa, full(st));
                 } else {
                     mbar_arrive(full(st));

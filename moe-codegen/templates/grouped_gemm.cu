@@ -89,6 +89,10 @@ constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or m
 // pairs (extended items, gemm_ws.cuh): that tile would cost a whole weight column for them.
 constexpr int TAIL = {{ tail }};
 static_assert(TAIL == 0 || (MOE_WS && CLUSTER == 1), "extended items on the warp-specialised pipeline, no clusters");
+// GEMM2's deterministic kernel takes the same extended items where the producer decodes its
+// weights (GemmTiles::gemm2_extended_rows), numbered as GEMM1's tiles (tile_span1).
+constexpr int TAIL2 = {{ tail2 }};
+static_assert(TAIL2 == 0 || (TAIL2 == TAIL && WS_DECODE && BN2 == 256), "GEMM2's extended items are GEMM1's");
 // The host's dynamic shared memory per block, computed once by the renderer (GemmTiles::
 // gemm1_smem_bytes / gemm2_smem_bytes, prepare_smem_bytes): checked against the layouts below.
 constexpr int HOST_GEMM1_SMEM = {{ gemm1_smem }};
@@ -127,7 +131,7 @@ static_assert(WQ_COLS == (WQ_SCALE_IN_EPILOGUE || {{ fmt.scales == "row" || fmt.
 
 extern __shared__ char smem[];  // the GEMM stages (TileShape::SMEM_BYTES)
 #if MOE_WS
-static_assert(ws_smem_bytes<BN1, TAIL>() == HOST_GEMM1_SMEM && ws_smem_bytes<BN2, 0>() == HOST_GEMM2_SMEM,
+static_assert(ws_smem_bytes<BN1, TAIL>() == HOST_GEMM1_SMEM && ws_smem_bytes<BN2, TAIL2>() == HOST_GEMM2_SMEM,
               "the GEMMs' dynamic shared memory (GemmTiles::gemm1_smem_bytes, gemm2_smem_bytes)");
 #elif !{{ fmt.is_some() }}
 static_assert(TileShape<BN1>::SMEM_BYTES == HOST_GEMM1_SMEM && TileShape<BN2>::SMEM_BYTES == HOST_GEMM2_SMEM,
@@ -660,18 +664,22 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                                       const float* __restrict__ w2_scales, const float* __restrict__ topk_weights,
                                       void* __restrict__ out, int* __restrict__ work_counter, const TmaMap& b_map,
                                       const TmaMap& a_map) {
-    using S = WsShape<BN2>;
+    // The deterministic kernel's extended items (then tile_span is tile_span1).
+    constexpr int EXT2 = ATOMIC ? 0 : TAIL2;
+    using S = WsShape<BN2, FP8, EXT2>;
     const int lane = threadIdx.x % 32;
     // The layout is moe_prepare's, complete before GEMM1 (this kernel's predecessor) let this one
     // launch: GEMM1 signals its dependents only after its own wait on moe_prepare. What GEMM1
     // writes (mid, its scales) is read after the wait in ws_gemm (EARLY_B).
     pdl_launch_dependents();
-    const int2 counts = tile_counts(num_tiles);
+    const int2 counts = tile_counts(num_tiles + (EXT2 > 0 ? 2 : 0));
     auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, counts, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 skipped them).
-    // The item's span tells them apart: the producer's rows need no load of their own.
+    // The item's span tells them apart: the producer's rows need no load of their own. An
+    // extended item's rows past BM (the next tile's) are read as they are: a padding row there
+    // reaches only its own outputs, which are never stored.
     auto a_row = [&](const Work& it, int r) -> const char* {
-        return r < it.rows ? (const char*)a + ((long)it.tile * BM + r) * INTER * ELEM_BYTES : nullptr;
+        return r < it.rows || r >= BM ? (const char*)a + ((long)it.tile * BM + r) * INTER * ELEM_BYTES : nullptr;
     };
     // The map's boxes are BN2 / CLUSTER rows: a cluster sharing the tile multicasts one each.
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
@@ -775,9 +783,42 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     auto a_load = [&](const Work& it, int kt, unsigned dst, unsigned bar) {
         tma_load_2d(dst, a_map, kt * (BK_BYTES / ELEM_BYTES), it.tile * BM, bar);
     };
-    ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
-                                           b_load, kscale, promote, prepare, epilogue, NoExt{}, NoExt{}, b_scales,
-                                           b_decode, c_scales, a_load);
+    // An extended item's rows (transposed in ext_mma's accumulators: the outputs as M, the rows
+    // as N), scaled per output into buf as [row][BN2] act_t, then stored 32 bytes a thread.
+    static_assert(EXT2 == 0 || EXT2 * BN2 == 256 * 16, "ext_store: 16 outputs per consumer thread");
+    auto ext_act = [&](const Work&, const float* eacc, const float* cols, unsigned buf) {
+        if constexpr (COLS) cols_ready();
+        const int cw = threadIdx.x / 32 - 4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nf = 0; nf < EXT2 / 8; ++nf)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int n = half * (BN2 / 2) + 64 * (cw / 4) + 16 * (cw % 4) + lane / 4 + 8 * (i / 2);
+                    const int r = 8 * nf + 2 * (lane % 4) + i % 2;
+                    const act_t v = (act_t)(eacc[half * (EXT2 / 2) + nf * 4 + i] * (COLS ? cols[n] : MOE_COL_UNIT));
+                    asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * BN2 + n) * 2),
+                                 "h"(*reinterpret_cast<const unsigned short*>(&v))
+                                 : "memory");
+                }
+    };
+    auto ext_store = [&](const Work& it, unsigned buf) {
+        const int t = threadIdx.x - 128, r = t / 16, c = t % 16;  // row r, outputs 16 c ..
+        const long pos = (long)(it.tile + 1) * BM + r;
+        const int p = sorted_rows[pos];
+        asm volatile("bar.sync 5, 256;" ::: "memory");  // every consumer warp's ext_act
+        const uint4 v0 = lds128(buf + (r * BN2 + 16 * c) * 2), v1 = lds128(buf + (r * BN2 + 16 * c + 8) * 2);
+        asm volatile("bar.sync 5, 256;" ::: "memory");  // read before the staging is written again
+        if (p >= 0) {
+            uint4* dst = reinterpret_cast<uint4*>(static_cast<act_t*>(out) + pos * HIDDEN + it.nblk * BN2 + 16 * c);
+            dst[0] = v0;
+            dst[1] = v1;
+        }
+    };
+    ws_gemm<BN2, KT2, FP8, false, true, EXT2>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
+                                              b_load, kscale, promote, prepare, epilogue, ext_act, ext_store, b_scales,
+                                              b_decode, c_scales, a_load);
 #else
     ws_gemm<BN2, KT2, FP8, false, true, 0>(smem, counts.x * NT2 / CLUSTER, work_counter, item, a_row, (const char*)a,
                                            b_load, kscale, promote, prepare, epilogue,

@@ -108,6 +108,8 @@ pub(crate) struct GroupedPath {
     mid_in_gemm1: bool,
     /// GEMM1's extended rows (`GemmTiles::extended_rows`) and its dynamic shared memory.
     ext_rows: u32,
+    /// GEMM2's (`GemmTiles::gemm2_extended_rows`: its deterministic kernel takes GEMM1's tiles).
+    ext_rows2: u32,
     gemm1_smem: u32,
     /// moe_prepare's resident blocks on the device, and its dynamic shared memory.
     prepare_blocks: u32,
@@ -189,6 +191,7 @@ impl GroupedPath {
             x_paired: moe_codegen::grouped::decodes_weights(spec),
             mid_in_gemm1: tiles.quantizes_mid(spec),
             ext_rows: tiles.extended_rows(spec),
+            ext_rows2: tiles.gemm2_extended_rows(spec),
             gemm1_smem,
             prepare_blocks,
             prepare_smem,
@@ -459,7 +462,8 @@ impl GroupedPath {
             a_scales: a2s,
             sorted_rows: sorted,
             tile_expert: tile_e,
-            tile_span: span,
+            // The deterministic GEMM2 takes GEMM1's tiles where it extends them too.
+            tile_span: if self.ext_rows2 > 0 && deterministic { span1 } else { span },
             num_tiles: ntiles,
             w2: p.w2,
             w2_scales: p.w2_scales,
