@@ -48,14 +48,14 @@ pub struct GemmTiles {
     /// and stays behind (each stage waits for both), so that each one's epilogue falls under the
     /// other's MMAs rather than both idling the tensor cores at once. At most `stages - 2`.
     pub lag: u32,
-    /// GEMM1 only, 0 or 16: an expert whose last tile would hold no more than `tail` pairs has
+    /// 0 or 16: an expert whose last GEMM1 tile would hold no more than `tail` pairs has
     /// them computed with its previous tile (an extended item: its stages carry `bm + tail` rows
     /// of A, which ride the tile's wgmma with the operands swapped: the weight rows as M, the
     /// extra rows as N), so the weight column is read once for both rather than once more for a
     /// handful of rows. Applies where the pipeline allows it (`extended_rows`):
     /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
     /// (bf16 / fp16, per-channel fp8, and the weights the producer decodes, whose stages hold
-    /// them scaled).
+    /// them scaled; there GEMM2 takes the same items: [`GemmTiles::gemm2_extended_rows`]).
     pub tail: u32,
 }
 

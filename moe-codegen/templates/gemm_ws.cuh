@@ -13,7 +13,8 @@
 // without multicast: see work_item). A stage is refilled only when both blocks' consumers
 // released it (they arrive on both `empty` barriers), and rank 0 takes each work item from the
 // counter and hands it to both producers (item_full / item_free mbarriers).
-// Extended items (EXT rows, GEMM1's TAIL): an expert whose last tile would hold no more than EXT
+// Extended items (EXT rows: GEMM1's TAIL, and GEMM2's TAIL2 where the producer decodes the
+// weights): an expert whose last tile would hold no more than EXT
 // pairs has them computed with its previous tile, whose stages then carry BM + EXT rows of A: the
 // weight k-tile, the item's cost, is loaded once for both. The extra rows ride the warpgroups'
 // own wgmma with the operands swapped (ext_mma): the weight rows are the M side (64 at a time)
