@@ -107,6 +107,10 @@ struct alignas(64) TmaMap {
 // Every kernel's parameter struct (moe_codegen::params: one declaration for Rust and C).
 {{ params }}
 
+// One activation into shared memory (the extended rows' staging).
+__device__ __forceinline__ void sts_act(unsigned addr, act_t v) {
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const unsigned short*>(&v)) : "memory");
+}
 // Two adjacent activations, rounded to act_t, in one 4-byte store.
 __device__ __forceinline__ void store_pair(act_t* dst, float a, float b) {
     const act_t pair[2] = {(act_t)a, (act_t)b};
@@ -608,10 +612,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 const int i = 2 * j + k % 2, nf = k / 2;  // the accumulator element of (row k, neuron j)
                 const float g = eacc[nf * 4 + i] * (j ? sg.y : sg.x) * xs[k] + (j ? bg.y : bg.x);
                 const float u = eacc[TAIL / 2 + nf * 4 + i] * (j ? su.y : su.x) * xs[k] + (j ? bu.y : bu.x);
-                const act_t v = (act_t)moe_glu(g, u);
-                asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * (BN1 / 2) + nl + 8 * j) * 2),
-                             "h"(*reinterpret_cast<const unsigned short*>(&v))
-                             : "memory");
+                sts_act(buf + (r * (BN1 / 2) + nl + 8 * j) * 2, (act_t)moe_glu(g, u));
             }
         }
     };
@@ -797,10 +798,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
                 for (int i = 0; i < 4; ++i) {
                     const int n = half * (BN2 / 2) + 64 * (cw / 4) + 16 * (cw % 4) + lane / 4 + 8 * (i / 2);
                     const int r = 8 * nf + 2 * (lane % 4) + i % 2;
-                    const act_t v = (act_t)(eacc[half * (EXT2 / 2) + nf * 4 + i] * (COLS ? cols[n] : MOE_COL_UNIT));
-                    asm volatile("st.shared.b16 [%0], %1;" ::"r"(buf + (r * BN2 + n) * 2),
-                                 "h"(*reinterpret_cast<const unsigned short*>(&v))
-                                 : "memory");
+                    sts_act(buf + (r * BN2 + n) * 2, (act_t)(eacc[half * (EXT2 / 2) + nf * 4 + i] * (COLS ? cols[n] : MOE_COL_UNIT)));
                 }
     };
     auto ext_store = [&](const Work& it, unsigned buf) {
