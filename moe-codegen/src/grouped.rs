@@ -2,7 +2,7 @@
 
 use crate::format::WeightFormat;
 use crate::heuristics::GROUP_TILES;
-pub use crate::heuristics::HOT_TILES;
+pub use crate::heuristics::{ext_spread, EXT_SPREAD, HOT_TILES};
 use crate::render::{CodegenError, KernelSource};
 use crate::spec::{Activation, Arch, KernelFamily, MoeSpec};
 use askama::Template;
@@ -48,11 +48,12 @@ pub struct GemmTiles {
     /// and stays behind (each stage waits for both), so that each one's epilogue falls under the
     /// other's MMAs rather than both idling the tensor cores at once. At most `stages - 2`.
     pub lag: u32,
-    /// 0 or 16: an expert whose last GEMM1 tile would hold no more than `tail` pairs has
-    /// them computed with its previous tile (an extended item: its stages carry `bm + tail` rows
-    /// of A, which ride the tile's wgmma with the operands swapped: the weight rows as M, the
-    /// extra rows as N), so the weight column is read once for both rather than once more for a
-    /// handful of rows. Applies where the pipeline allows it (`extended_rows`):
+    /// 0 or 16: an expert whose last GEMM1 tile would hold no more than `tail` pairs for each
+    /// tile before it (up to [`EXT_SPREAD`] of them) has them computed with those tiles, `tail`
+    /// rows each (extended items: their
+    /// stages carry `bm + tail` rows of A, which ride the tile's wgmma with the operands swapped:
+    /// the weight rows as M, the extra rows as N), so the weight column is not read once more
+    /// for a few dozen rows. Applies where the pipeline allows it (`extended_rows`):
     /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
     /// (bf16 / fp16, per-channel fp8, and the weights the producer decodes, whose stages hold
     /// them scaled; there GEMM2 takes the same items: [`GemmTiles::gemm2_extended_rows`]).
@@ -384,6 +385,7 @@ struct GroupedGemmCu {
     ws: u32,
     group_tiles: u32,
     hot_tiles: u32,
+    ext_spread: u32,
     act_type: &'static str,
     /// bf16 activations (else fp16): the mixed-input GEMMs' MMA type.
     act_bf16: bool,
@@ -667,6 +669,7 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
         ws: tiles.warp_specialized as u32,
         group_tiles: GROUP_TILES,
         hot_tiles: HOT_TILES,
+        ext_spread: crate::heuristics::ext_spread(spec),
         act_type: spec.act_dtype().cuda_type(),
         act_bf16: spec.act_dtype() == crate::ActDtype::Bf16,
         hidden: h,

@@ -38,6 +38,27 @@ pub const X_STAGE_MAX_BYTES: u32 = 64 * 1024;
 /// (DRAM-bound), a hot one's mostly computes, so a wave mixes both.
 pub const HOT_TILES: u32 = 4;
 
+/// The most tiles an expert's short last tile spreads over as extended items (`GemmTiles::tail`
+/// rows each, `Work` in `grouped_gemm.cu`). An extended item costs part of a tile (its MMAs with
+/// the operands swapped, its rows' epilogue): on an H200 (Qwen3-30B-A3B, 4096 tokens) 2 and 3
+/// were 1-3% faster than 1 under uniform routing, and 8 was 1-3% slower under skewed routing,
+/// whose hot experts end their many tiles anywhere. See [`ext_spread`] for the exceptions.
+pub const EXT_SPREAD: u32 = 2;
+
+/// [`EXT_SPREAD`], or 1 (the short tile joins only the tile before it) for 8-bit codes with
+/// 32-code group scales (mxfp8, int8_g32), whose decoding producer sits at its register limit:
+/// the spread's bookkeeping moved its spills, and both ran 2-5% slower under skewed routing on an
+/// H200 (Qwen3-30B-A3B and OLMoE, 2048 and 4096 tokens) where int8_g64 and int8_g128 gained 3-7%
+/// under uniform routing.
+pub fn ext_spread(spec: &MoeSpec) -> u32 {
+    let f = spec.weight_format();
+    if f.elem_bits() == 8 && f.k_group() == 32 {
+        1
+    } else {
+        EXT_SPREAD
+    }
+}
+
 /// Row tiles of one expert the grouped GEMMs run side by side, column block by column block, so
 /// that a wave reads each weight tile once through L2 (`work_item` in `grouped_gemm.cu`).
 pub const GROUP_TILES: u32 = 8;
@@ -420,6 +441,21 @@ mod tests {
 
     /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),
     /// fp8 the powers of two; each of these defaults fits and passes the family's check.
+    #[test]
+    fn short_tiles_spread_over_two_but_for_8_bit_codes_in_32_code_groups() {
+        for (f, want) in [
+            (WeightFormat::Bf16, 2),
+            (WeightFormat::Mxfp4, 2),
+            (WeightFormat::Int8, 2),
+            (WeightFormat::Int8G64, 2),
+            (WeightFormat::Mxfp8, 1),
+            (WeightFormat::Int8G32, 1),
+        ] {
+            let s = MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap();
+            assert_eq!(ext_spread(&s), want, "{f}");
+        }
+    }
+
     #[test]
     fn sixteen_bit_weights_take_the_widest_dividing_columns() {
         let tiles = |h, i, f| {

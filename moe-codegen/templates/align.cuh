@@ -9,7 +9,8 @@
 //                               work order (one load resolves a work item)
 //   num_tiles[1]                the hot experts' tiles, which come first (Layout)
 //   tile_span1, num_tiles[2, 3] TAIL: the same for GEMM1's tiles, where an expert's last tile
-//                               holding no more than TAIL pairs joins the one before it (work_item)
+//                               of no more than TAIL pairs for each tile before it (up to
+//                               EXT_SPREAD of them) joins them (Work)
 // Out-of-range ids are skipped and counted in *errors.
 constexpr int ALIGN_THREADS = 1024;
 static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
@@ -77,7 +78,9 @@ struct Layout {
             hot_total = hot_all;
         }
         if constexpr (TAIL > 0) {
-            const int tiles1 = tiles - (tiles >= 2 && count - (tiles - 1) * BM <= TAIL);
+            // A short last tile of r pairs joins the n tiles before it where r <= TAIL min(n,
+            // EXT_SPREAD) (Work).
+            const int tiles1 = tiles - (tiles >= 2 && count - (tiles - 1) * BM <= TAIL * min(tiles - 1, EXT_SPREAD));
             int all1, hot_all1;
             const int before1 = block_exclusive_scan(tiles1, all1);
             const int hot_before1 = block_exclusive_scan(hot ? tiles1 : 0, hot_all1);

@@ -85,9 +85,10 @@ constexpr int CLUSTER = {{ cluster }};  // blocks per cluster: its row tiles sha
 constexpr int WG_LAG = {{ lag }};  // k-tiles consumer warpgroup 1 trails warpgroup 0 by (gemm_ws.cuh)
 constexpr int GROUP_TILES = {{ group_tiles }};  // tiles of an expert side by side (work_item)
 constexpr int HOT_TILES = {{ hot_tiles }};  // experts with this many tiles or more lead the layout (align.cuh)
-// GEMM1 computes an expert's last tile with the one before it where it holds no more than TAIL
-// pairs (extended items, gemm_ws.cuh): that tile would cost a whole weight column for them.
+// GEMM1 computes an expert's short last tile with the tiles before it (extended items, Work and
+// gemm_ws.cuh): that tile would cost a whole weight column for a few pairs.
 constexpr int TAIL = {{ tail }};
+constexpr int EXT_SPREAD = {{ ext_spread }};  // the most tiles a short tile's rows spread over (Work)
 static_assert(TAIL == 0 || (MOE_WS && CLUSTER == 1), "extended items on the warp-specialised pipeline, no clusters");
 // GEMM2's deterministic kernel takes the same extended items where the producer decodes its
 // weights (GemmTiles::gemm2_extended_rows), numbered as GEMM1's tiles (tile_span1).
@@ -287,15 +288,36 @@ moe_quant_mid(const __grid_constant__ QuantMidParams params) {
 // also gives the rows of its tile that hold pairs (the rest close the expert's last tile). With
 // TAIL, GEMM1 numbers its own tiles (tile_span1, num_tiles[2, 3]: an extended tile counts once)
 // and the spans' expert carries the layout's tile minus GEMM1's in its high 16 bits.
+//
+// Extended items: an expert's short last tile of r pairs joins the n tiles before it where
+// r <= TAIL min(n, EXT_SPREAD), TAIL rows each. The d-th tile before the short one takes its rows
+// TAIL d .. TAIL d + TAIL - 1 (those past r are padding, which no store reaches), so that uniform
+// routing, whose experts end a few dozen pairs past a tile as often as a few, pays a whole weight
+// pass (one decode, where the producer decodes) for a short tile less often.
 struct Work {
     int tile;  // in the layout (sorted_rows)
     short nblk, e;
     unsigned char rows;  // rows 0 .. rows - 1 of the tile hold pairs
     bool multicast;      // the cluster's blocks take two row tiles of one column block
-    bool ext;            // extended (GEMM1's TAIL): also the next tile's rows, its expert's last
+    bool ext;            // extended (TAIL): also rows of its expert's short last tile
+    unsigned char ext_d;  // and which: the tiles between it and the short one (d)
 };
+static_assert(sizeof(Work) == 12, "a stage's item and its flag in one 16-byte slot (StageItem)");
+// The layout row of an item's row r: its tile's, or past BM an extended item's rows of the short tile.
+// (int arithmetic: in long, the decoding producers of 8-bit codes spilled several times more.)
+__device__ __forceinline__ int layout_row(const Work& it, int r) {
+    // Past BM: (tile + 1 + d) BM + TAIL d + (r - BM).
+    if constexpr (EXT_SPREAD == 1) return it.tile * BM + r;
+    else return it.tile * BM + r + (r < BM ? 0 : it.ext_d * (BM + TAIL));
+}
+// The layout row of an extended item's first row past BM.
+__device__ __forceinline__ long ext_row0(const Work& it) {
+    if constexpr (EXT_SPREAD == 1) return (long)(it.tile + 1) * BM;
+    else return (long)(it.tile + 1 + it.ext_d) * BM + TAIL * it.ext_d;
+}
 static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
 static_assert(BM <= 255, "a tile's live rows in Work::rows");
+static_assert(TAIL == 0 || BM / TAIL < 255, "an extended item's d in Work::ext");
 __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
     const int per_tile = nt / CLUSTER;
     const long long hot = (long long)counts.y * per_tile, all = (long long)counts.x * per_tile;
@@ -312,9 +334,12 @@ __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict_
     const int t0 = sp.x + g * GROUP_TILES;
     auto at = [&](int tile, int nblk, bool multicast) {
         const int rest = sp.w - (tile - sp.x) * BM;  // pairs from this tile on
-        const bool ext = TAIL > 0 && tile == sp.x + sp.y - 1 && rest > BM;
+        // Extended: the expert's pairs past its counted tiles (only GEMM1's numbering leaves any)
+        // reach this tile's TAIL rows of them, d tiles before the short one.
+        const int d = sp.x + sp.y - 1 - tile;
+        const bool ext = TAIL > 0 && (EXT_SPREAD == 1 ? d == 0 && rest > BM : rest > BM + d * (BM + TAIL));
         return Work{tile + (sp.z >> 16), (short)nblk, (short)(sp.z & 0xffff), (unsigned char)max(0, min(BM, rest)),
-                    multicast, ext};
+                    multicast, ext, (unsigned char)(EXT_SPREAD > 1 ? d : 0)};
     };
     if (CLUSTER == 1) return at(t0 + r % gs, r / gs, false);
     // Per pair of column blocks r / gs: the gs / 2 tile pairs of the first, then of the second,
@@ -460,7 +485,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
     const int2 counts = tile_counts(num_tiles + (TAIL > 0 ? 2 : 0));
     auto item = [&](int w, int rank) { return work_item(w, NT1, tile_span, counts, rank); };
     auto a_row = [&](const Work& it, int r) -> const char* {
-        const int p = sorted_rows[it.tile * BM + r];
+        const int p = sorted_rows[layout_row(it, r)];
         return p < 0 ? nullptr : (const char*)a + (long)(p / TOP_K) * HIDDEN * ELEM_BYTES;
     };
     // Two boxes, the gate rows then the up rows; a cluster of two sharing the tile multicasts one each.
@@ -588,7 +613,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
         constexpr int EK = TAIL > 0 ? TAIL / 4 : 1;  // the thread's rows
         const int cw = threadIdx.x / 32 - 4;
         const int nl = 64 * (cw / 4) + 16 * (cw % 4) + lane / 4;
-        const long row0 = (long)(it.tile + 1) * BM;
+        const long row0 = ext_row0(it);
         float xs[EK];
 #pragma unroll
         for (int k = 0; k < EK; ++k) xs[k] = X_PER_ROW ? a_scales[row0 + 8 * (k / 2) + 2 * (lane % 4) + k % 2] : 1.f;
@@ -618,7 +643,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
     };
     auto ext_store = [&](const Work& it, unsigned buf) {
         const int t = threadIdx.x - 128, r = t / 16, c = t % 16;  // row r, neurons 8 c ..
-        const long pos = (long)(it.tile + 1) * BM + r;
+        const long pos = ext_row0(it) + r;
         const int p = sorted_rows[pos];
         asm volatile("bar.sync 5, 256;" ::: "memory");  // every consumer warp's ext_act
         const uint4 raw = lds128(buf + r * (BN1 / 2) * 2 + c * 16);
@@ -680,7 +705,8 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     // extended item's rows past BM (the next tile's) are read as they are: a padding row there
     // reaches only its own outputs, which are never stored.
     auto a_row = [&](const Work& it, int r) -> const char* {
-        return r < it.rows || r >= BM ? (const char*)a + ((long)it.tile * BM + r) * INTER * ELEM_BYTES : nullptr;
+        const long row = r < BM ? (long)it.tile * BM + r : ext_row0(it) + (r - BM);
+        return r < it.rows || r >= BM ? (const char*)a + row * INTER * ELEM_BYTES : nullptr;
     };
     // The map's boxes are BN2 / CLUSTER rows: a cluster sharing the tile multicasts one each.
     auto b_load = [&](const Work& it, int kt, unsigned dst, unsigned bar, int rank) {
@@ -803,7 +829,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     };
     auto ext_store = [&](const Work& it, unsigned buf) {
         const int t = threadIdx.x - 128, r = t / 16, c = t % 16;  // row r, outputs 16 c ..
-        const long pos = (long)(it.tile + 1) * BM + r;
+        const long pos = ext_row0(it) + r;
         const int p = sorted_rows[pos];
         asm volatile("bar.sync 5, 256;" ::: "memory");  // every consumer warp's ext_act
         const uint4 v0 = lds128(buf + (r * BN2 + 16 * c) * 2), v1 = lds128(buf + (r * BN2 + 16 * c + 8) * 2);

@@ -220,10 +220,14 @@ fn alignment_cases(k: usize, cluster: u32) {
             }
             assert_eq!(&a.tile_span[..4 * want_tiles], &want_span[..], "{name} m={m}: tile spans");
             // GEMM1's own tiles: with extended items an expert's last tile holding no more than
-            // `ext` pairs joins the one before it; the spans' expert carries (layout tile - GEMM1
-            // tile) in its high 16 bits.
+            // `ext` pairs for each tile before it joins them; the spans' expert carries (layout
+            // tile - GEMM1 tile) in its high 16 bits.
             let ext = layer.grouped_tiles().unwrap().extended_rows(layer.spec()) as usize;
-            let joins = |c: usize| ext > 0 && tiles_of(c) >= 2 && c - (tiles_of(c) - 1) * 128 <= ext;
+            let spread = moe_codegen::grouped::ext_spread(layer.spec()) as usize;
+            let joins = |c: usize| {
+                let t = tiles_of(c);
+                ext > 0 && t >= 2 && c - (t - 1) * 128 <= ext * (t - 1).min(spread)
+            };
             let tiles1_of = |c: usize| tiles_of(c) - joins(c) as usize;
             let want1: usize = count.iter().map(|&c| tiles1_of(c)).sum();
             let hot1: usize = (0..e).filter(|&x| hot(x)).map(|x| tiles1_of(count[x])).sum();
@@ -653,19 +657,30 @@ fn wanted(f: WeightFormat) -> bool {
     std::env::var("MOE_FORMATS").map_or(true, |v| v.split(',').any(|n| n == f.name()))
 }
 
-/// GEMM1's extended items (an expert's last tile of 1-16 pairs computed with the tile before it),
+/// Extended items (an expert's short last tile computed with the tiles before it, up to 16 of its
+/// pairs each, over up to EXT_SPREAD tiles),
 /// on routings whose expert counts sit on either side of that edge, against the reference and
 /// against the same kernels without them (Qwen3-30B-A3B's geometry: bf16, per-channel fp8, and
-/// mxfp4, int8 and nvfp4 on the decoding producer's large-step tiles). `MOE_FORMATS` picks some.
+/// mxfp4, int8, nvfp4 and mxfp8 (no spread) on the decoding producer's large-step tiles).
+/// `MOE_FORMATS` picks some.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn extended_items_match_reference() {
     use moe_codegen::GemmTiles;
     let dev = gpu();
     let (m, e, k) = (1024usize, 128usize, 8usize);
-    // Counts: past one, two or three tiles by 1..17 pairs, whole tiles, a lone tile of 1 and 16,
-    // an empty expert; the rest share what is left.
-    let edge = [129, 131, 136, 143, 144, 145, 257, 272, 273, 392, 16, 1, 0, 128, 256];
+    // Counts: past one tile by 1..17 pairs, past 2 or 3 tiles by up to 33 (the short tile's rows
+    // spread over the 2 before it, EXT_SPREAD), whole tiles, a lone tile of 1 and 16, an empty
+    // expert; the rest share what is left.
+    assert_eq!(moe_codegen::grouped::EXT_SPREAD, 2, "the counts below sit on its edges");
+    let edge: [usize; 19] = [129, 131, 136, 143, 144, 145, 257, 272, 273, 288, 289, 392, 416, 417, 16, 1, 0, 128, 256];
+    // The experts whose short last tile joins the ones before it, at a spread of s tiles.
+    let joining = |s: usize| {
+        edge.iter()
+            .filter(|&&c| c > 128 && c - (c.div_ceil(128) - 1) * 128 <= 16 * (c.div_ceil(128) - 1).min(s))
+            .count()
+    };
+    assert_eq!((joining(1), joining(2)), (8, 11));
     let rest = m * k - edge.iter().sum::<usize>();
     let others = e - edge.len();
     let counts: Vec<usize> =
@@ -682,8 +697,14 @@ fn extended_items_match_reference() {
     for (j, &x) in labels.iter().enumerate() {
         ids[(j % m) * k + j / m] = x;
     }
-    let formats =
-        [WeightFormat::Bf16, WeightFormat::Fp8E4m3, WeightFormat::Mxfp4, WeightFormat::Int8, WeightFormat::Nvfp4];
+    let formats = [
+        WeightFormat::Bf16,
+        WeightFormat::Fp8E4m3,
+        WeightFormat::Mxfp4,
+        WeightFormat::Int8,
+        WeightFormat::Nvfp4,
+        WeightFormat::Mxfp8,
+    ];
     for format in formats.into_iter().filter(|f| wanted(*f)) {
         let spec = MoeSpec::builder(2048, 768, e as u32, k as u32).weight_format(format).build().unwrap();
         let seed = fresh_seed();
@@ -709,8 +730,8 @@ fn extended_items_match_reference() {
                     "{format} tail={tail} rows={deterministic}: {} tiles, {} for GEMM1: rel_l2={rel:.3e} cos={cos:.8}",
                     a.num_tiles, a.num_tiles1
                 );
-                // 8 of the experts end in a tile of 1-16 pairs after a full one.
-                assert_eq!(a.num_tiles - a.num_tiles1, if tail > 0 { 8 } else { 0 }, "{format} tail={tail}");
+                let joined = if tail > 0 { joining(moe_codegen::grouped::ext_spread(&spec) as usize) } else { 0 };
+                assert_eq!(a.num_tiles - a.num_tiles1, joined as i32, "{format} tail={tail}");
                 assert!(rel <= tol && cos >= min_cos, "{format} tail={tail}: rel {rel:.3e} cos {cos:.8}");
                 if deterministic {
                     let mut y = poisoned(&layer, m * 2048);

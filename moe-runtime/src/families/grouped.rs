@@ -39,8 +39,8 @@ pub struct Alignment {
     /// The hot experts' tiles, which lead the layout (`moe_codegen::grouped::HOT_TILES`).
     pub hot_tiles: i32,
     /// With extended items (`GemmTiles::extended_rows`), GEMM1's own tiles (an expert's short
-    /// last tile joins the one before it): (first, tiles, expert, 2 (layout tile - GEMM1 tile) +
-    /// whether the expert's last is extended) of each, flattened; empty without them.
+    /// last tile joins the ones before it): (first, tiles, expert + (layout tile - GEMM1 tile) *
+    /// 65536, pairs) of each, flattened; empty without them.
     pub tile_span1: Vec<i32>,
     /// GEMM1's tiles (equal to `num_tiles` without extended items).
     pub num_tiles1: i32,
