@@ -49,11 +49,11 @@ pub struct GemmTiles {
     /// other's MMAs rather than both idling the tensor cores at once. At most `stages - 2`.
     pub lag: u32,
     /// 0 or 16: an expert whose last GEMM1 tile would hold no more than `tail` pairs for each
-    /// tile before it (up to [`EXT_SPREAD`] of them) has them computed with those tiles, `tail`
-    /// rows each (extended items: their
-    /// stages carry `bm + tail` rows of A, which ride the tile's wgmma with the operands swapped:
-    /// the weight rows as M, the extra rows as N), so the weight column is not read once more
-    /// for a few dozen rows. Applies where the pipeline allows it (`extended_rows`):
+    /// tile before it (up to [`ext_spread`] of them) has them computed with those tiles, `tail`
+    /// rows each (extended items: their stages carry `bm + tail` rows of A, which ride the tile's
+    /// wgmma with the operands swapped: the weight rows as M, the extra rows as N), so the weight
+    /// column is not read once more for a few dozen rows. Applies where the pipeline allows it
+    /// (`extended_rows`):
     /// warp-specialised, no clusters, 256-wide GEMM1 tiles whose scales do not change along K
     /// (bf16 / fp16, per-channel fp8, and the weights the producer decodes, whose stages hold
     /// them scaled; there GEMM2 takes the same items: [`GemmTiles::gemm2_extended_rows`]).

@@ -439,8 +439,6 @@ mod tests {
         assert!(int8.gemm1_smem_bytes(&qwen3(WeightFormat::Int8)) > crate::grouped::L1_KEEPING_SMEM);
     }
 
-    /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),
-    /// fp8 the powers of two; each of these defaults fits and passes the family's check.
     #[test]
     fn short_tiles_spread_over_two_but_for_8_bit_codes_in_32_code_groups() {
         for (f, want) in [
@@ -456,6 +454,8 @@ mod tests {
         }
     }
 
+    /// 16-bit weights on sm_90a take the widest column tiles that divide (any multiple of 16),
+    /// fp8 the powers of two; each of these defaults fits and passes the family's check.
     #[test]
     fn sixteen_bit_weights_take_the_widest_dividing_columns() {
         let tiles = |h, i, f| {

@@ -16,8 +16,8 @@
 // Extended items (EXT rows: GEMM1's TAIL, and GEMM2's TAIL2 where the producer decodes the
 // weights): an expert whose last tile would hold no more than EXT pairs for each tile before it
 // has them computed with those tiles, EXT rows each (Work), whose stages then carry BM + EXT rows
-// of A: the weight k-tile, the item's cost, is loaded once for both. The extra rows ride the warpgroups'
-// own wgmma with the operands swapped (ext_mma): the weight rows are the M side (64 at a time)
+// of A: the weight k-tile, the item's cost, is loaded once for both. The extra rows ride the
+// warpgroups' own wgmma with the operands swapped (ext_mma): the weight rows are the M side (64 at a time)
 // and the EXT rows the N side, so they cost EXT / BN of the tile's MMAs rather than a tile.
 // Stages use the layout of gemm_tile.cuh: 128 bytes of K per row, 128-byte swizzle (what TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes, on 1024-byte aligned stages).

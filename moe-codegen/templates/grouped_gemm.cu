@@ -303,8 +303,9 @@ struct Work {
     unsigned char ext_d;  // and which: the tiles between it and the short one (d)
 };
 static_assert(sizeof(Work) == 12, "a stage's item and its flag in one 16-byte slot (StageItem)");
-// The layout row of an item's row r: its tile's, or past BM an extended item's rows of the short tile.
-// (int arithmetic: in long, the decoding producers of 8-bit codes spilled several times more.)
+// The layout row of an item's row r: its tile's, or past BM an extended item's rows of its
+// expert's short tile (in int: in long, the decoding producers of 8-bit codes spilled more).
+// A spread of one keeps the arithmetic the kernels had before there were spreads (ext_spread).
 __device__ __forceinline__ int layout_row(const Work& it, int r) {
     // Past BM: (tile + 1 + d) BM + TAIL d + (r - BM).
     if constexpr (EXT_SPREAD == 1) return it.tile * BM + r;
@@ -317,7 +318,7 @@ __device__ __forceinline__ long ext_row0(const Work& it) {
 }
 static_assert(GROUP_TILES % CLUSTER == 0, "only an expert's last group may hold an odd tile");
 static_assert(BM <= 255, "a tile's live rows in Work::rows");
-static_assert(TAIL == 0 || BM / TAIL < 255, "an extended item's d in Work::ext");
+static_assert(EXT_SPREAD >= 1 && EXT_SPREAD <= 256, "an extended item's d in Work::ext_d");
 __device__ __forceinline__ Work work_item(int w, int nt, const int4* __restrict__ tile_span, int2 counts, int rank = 0) {
     const int per_tile = nt / CLUSTER;
     const long long hot = (long long)counts.y * per_tile, all = (long long)counts.x * per_tile;
@@ -603,7 +604,7 @@ moe_gemm1(const __grid_constant__ Gemm1Params params) {
                 });
         }
     };
-    // An extended item's rows past BM (the next tile's): ext_act takes the thread's part of
+    // An extended item's rows past BM (its expert's short tile's): ext_act takes the thread's part of
     // ext_mma's transposed accumulators (neurons nl and nl + 8 of the tile's BN1 / 2, gate and up
     // alike, in TAIL / 4 rows) through SwiGLU into buf as [row][BN1 / 2] act_t; then, before the
     // main epilogue, ext_store writes them from there 16 bytes a thread (fp8: a row's amax over
@@ -702,7 +703,7 @@ __device__ __forceinline__ void gemm2(const void* __restrict__ a, const float* _
     auto item = [&](int w, int rank) { return work_item(w, NT2, tile_span, counts, rank); };
     // mid is in tile order; padding rows are zero-filled rather than read (GEMM1 skipped them).
     // The item's span tells them apart: the producer's rows need no load of their own. An
-    // extended item's rows past BM (the next tile's) are read as they are: a padding row there
+    // extended item's rows past BM (its expert's short tile's) are read as they are: a padding row there
     // reaches only its own outputs, which are never stored.
     auto a_row = [&](const Work& it, int r) -> const char* {
         const long row = r < BM ? (long)it.tile * BM + r : ext_row0(it) + (r - BM);
