@@ -4,10 +4,11 @@
 //! prints a table and appends one JSON object per row to FILE (see benches/results/): every
 //! weight format with every dequant variant the device's arch has (field `dequant`), the split
 //! kernels at the default token-tile cap and, for bf16 and fp8_e4m3, at a cap of 1 (rows `split_cap4`,
-//! `split_cap1`). `--formats a,b` and `--dequant lut,bits`
+//! `split_cap1`), and at one token the resident kernel where the layer has it (`resident`: 16-bit
+//! weights whose w2 share fits each block). `--formats a,b` and `--dequant lut,bits`
 //! narrow the report. Bytes are the touched experts' packed weights plus every scale the kernels
 //! read for them, plus x, y and the routing.
-//! `--ms 1,8` and `--variants split_cap4,split_cap1` narrow it further.
+//! `--ms 1,8` and `--variants resident,split_cap4,split_cap1` narrow it further.
 //! Each timed unit is a CUDA-graph replay of forward over enough copies of the weights (at least
 //! MIN_LAYERS, and 4x the L2 at M = 1) that no expert row is served from L2; the device-to-device
 //! copy bandwidth is measured in the same run. Every path (report, sweep, criterion) divides a
@@ -21,7 +22,7 @@ use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{ActElem, Device, MoeLayer};
-use moeforge::codegen::{render_warp_decode, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
+use moeforge::codegen::{render_warp_decode, resident_rows, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -181,8 +182,10 @@ struct Row {
     pct: f64,
 }
 
+/// A kernel variant by its token-tile cap; 0: the resident one-token kernel (`moe_decode_resident`).
 fn variant_name(tile_cap: u32) -> &'static str {
     match tile_cap {
+        0 => "resident",
         1 => "split_cap1",
         2 => "split_cap2",
         _ => "split_cap4",
@@ -205,10 +208,12 @@ fn report_rows(
     let dequant = spec.dequant_for(dev.arch()).expect("only variants the arch has are reported");
     let mut layers = layers_with(dev, spec, DecodeTiles::for_spec(&spec));
     for l in &mut layers {
-        l.set_max_token_tile(tile_cap).unwrap();
+        l.set_max_token_tile(tile_cap.max(1)).unwrap();
+        l.set_resident_one_token(tile_cap == 0);
     }
     let variant = variant_name(tile_cap);
-    for m in ms.iter().copied() {
+    // The resident kernel takes one-token steps only.
+    for m in ms.iter().copied().filter(|&m| tile_cap != 0 || m == 1) {
         let case = build_case(&layers, &spec, m);
         let copies = case.layers();
         let us = case.time_per_layer(s, 100);
@@ -279,7 +284,8 @@ fn report(dev: &Device, out: Option<&str>, filters: &Filters) {
         let f = spec.weight_format();
         // The cap of 1 is measured on bf16 and fp8 only.
         let more = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
-        for v in [4, 1].into_iter().filter(|&v| v == 4 || more) {
+        let resident = resident_rows(&spec, dev.sm_count(), dev.max_smem_optin()).is_some();
+        for v in [0, 4, 1].into_iter().filter(|&v| v == 4 || (v == 1 && more) || (v == 0 && resident)) {
             if variants.is_empty() || variants.iter().any(|n| n == variant_name(v)) {
                 report_rows(dev, &s, spec, v, ms, copy, &date, &mut rows, &mut table);
             }

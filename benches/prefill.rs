@@ -18,7 +18,8 @@
 //! modulo E: no expert's last tile is partly empty where M k / E is a multiple of 128. Each row
 //! also counts its bytes (the touched experts' packed weights and scales once, x, y, the logits
 //! and the routing) against the device-to-device copy bandwidth measured in the same run
-//! (`pct_of_copy`).
+//! (`pct_of_copy`). `--tiles` sweeps grouped tile sets (see `main`); `--seed N` draws the same
+//! routing for every tile set, so that they compare on the same steps.
 
 use moe_runtime::cudarc::cublas::sys::cublasOperation_t;
 use moe_runtime::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -297,6 +298,8 @@ fn main() {
     // `--tiles 128,128,4,1/256,128,4,1,1,1`: bn1,bn2,stages,blocks_per_sm[,ws[,cluster[,lag[,tail]]]][,bmN]
     // sets to sweep
     // (default: the spec's).
+    let base_seed: Option<u64> =
+        args.iter().position(|a| a == "--seed").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok());
     let tile_sets: Vec<String> = args
         .iter()
         .position(|a| a == "--tiles")
@@ -360,8 +363,9 @@ fn main() {
                 }
                 for (&m, &family) in ms.iter().flat_map(|m| families.iter().map(move |f| (m, f))) {
                     layer.set_prefill_threshold(if family == KernelFamily::GroupedGemm { 1 } else { usize::MAX });
-                    for routing in &routings {
-                        let seed = fresh_seed();
+                    for (ri, routing) in routings.iter().enumerate() {
+                        // `--seed N`: the same routing for every tile set (an A/B of tiles).
+                        let seed = base_seed.map_or_else(fresh_seed, |b| b ^ ((m as u64) << 8) ^ ri as u64);
                         let skew = if routing == "skewed" { 0.85 } else { 0.0 };
                         let (x, mut ids, _) = random_step(&spec, m, skew, seed);
                         if routing == "balanced" {

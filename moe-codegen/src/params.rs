@@ -149,6 +149,23 @@ kernel_params! {
         m: i32 = "int",
         err: u64 = "int* __restrict__",
     }
+    /// `moe_decode_resident`: a one-token step in one cooperative launch (16-bit weights, each
+    /// block's w2 rows in shared memory).
+    ResidentParams {
+        x: u64 = "const act_t* __restrict__",
+        topk_ids: u64 = "const int* __restrict__",
+        topk_weights: u64 = "const float* __restrict__",
+        w13: u64 = "const uint4* __restrict__",
+        w13_bias: u64 = "const float* __restrict__",
+        w2: u64 = "const uint4* __restrict__",
+        w2_bias: u64 = "const float* __restrict__",
+        mid: u64 = "float* __restrict__",
+        y: u64 = "act_t* __restrict__",
+        sync: u64 = "unsigned* __restrict__",
+        err: u64 = "int* __restrict__",
+        choice: u64 = "const int* __restrict__",
+        rows: i32 = "int",
+    }
     /// `moe_down`, `moe_down_stash`, `moe_down_bulk`: the intermediate to y, routing weights folded in.
     DownParams {
         mid: u64 = "const float* __restrict__",
@@ -314,6 +331,7 @@ pub fn decode_decls() -> String {
         GateUpParams::c_decl(),
         GateUpBulkParams::c_decl(),
         DownParams::c_decl(),
+        ResidentParams::c_decl(),
     ]
     .concat()
 }

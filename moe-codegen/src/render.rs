@@ -280,6 +280,11 @@ struct WarpDecodeCu {
     /// Shared experts ([`MoeSpec::shared_experts`]) and whether they are gated.
     shared: u32,
     shared_gated: bool,
+    /// `moe_decode_resident` has a body (16-bit weights, [`resident_renders`]), its weights'
+    /// element type and its warps.
+    resident: bool,
+    w16_type: &'static str,
+    res_warps: u32,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -407,6 +412,9 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         bulk_dn_smem: dn,
         dn_stash_smem,
         static_smem,
+        resident: resident_renders(spec),
+        w16_type: if spec.weight_format() == WeightFormat::Fp16 { "__half" } else { "__nv_bfloat16" },
+        res_warps: RESIDENT_WARPS,
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
@@ -519,10 +527,45 @@ pub mod decode_entry {
     pub const EXPAND_ROUTING: &str = "moe_expand_routing";
     /// The spec's router: logits to routing ids and weights (steps from logits).
     pub const ROUTE: &str = "moe_route";
+    /// A one-token step in one cooperative launch, w2 rows resident in shared memory.
+    pub const RESIDENT: &str = "moe_decode_resident";
     /// gate_up for a token tile (one of `TOKEN_TILES`).
     pub fn gate_up(tile: u32) -> String {
         format!("moe_gate_up_t{tile}")
     }
+}
+
+/// Warps per block of `moe_decode_resident`.
+pub const RESIDENT_WARPS: u32 = 16;
+
+/// Whether `moe_decode_resident` has a body for `spec` (its kernel spec: shared experts as
+/// slots): 16-bit weights with whole 16-byte vectors per lane of a w13 and a w2 row.
+pub fn resident_renders(spec: &MoeSpec) -> bool {
+    let spec = spec.kernel_spec();
+    matches!(spec.weight_format().codec(), Codec::Bf16 | Codec::Fp16)
+        && spec.hidden() % 256 == 0
+        && spec.intermediate() % 256 == 0
+}
+
+/// Dynamic shared memory of `moe_decode_resident` with `rows` hidden rows a block: the block's w2
+/// rows of every slot, x in fp32, the (slot, row) sums and the mbarrier (`decode_resident.cuh`'s
+/// `res_smem_bytes`).
+pub fn resident_smem_bytes(spec: &MoeSpec, rows: u32) -> u32 {
+    let spec = spec.kernel_spec();
+    let (k, i, h) = (spec.top_k(), spec.intermediate(), spec.hidden());
+    k * rows * i * 2 + h * 4 + (k * rows * 4).div_ceil(8) * 8 + 8
+}
+
+/// Hidden rows a block of `moe_decode_resident` owns on a device of `sms` SMs (one block each)
+/// whose blocks may take `max_smem` bytes of shared memory, or `None` where the kernel has no body
+/// or a block's share of the step's w2 does not fit: ceil(H / sms) rounded up to whole 8-row
+/// groups (the down's tasks).
+pub fn resident_rows(spec: &MoeSpec, sms: u32, max_smem: u32) -> Option<u32> {
+    if !resident_renders(spec) || sms == 0 {
+        return None;
+    }
+    let rows = spec.hidden().div_ceil(sms).div_ceil(8) * 8;
+    (rows <= RESIDENT_WARPS * 32 && resident_smem_bytes(spec, rows) <= max_smem).then_some(rows)
 }
 
 /// The `extern "C"` entry points a family's rendered module defines: the list [`render`] puts in
@@ -530,11 +573,13 @@ pub mod decode_entry {
 pub fn entry_points(family: KernelFamily) -> Vec<String> {
     use decode_entry::*;
     match family {
-        KernelFamily::WarpDecode => [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE, EXPAND_ROUTING]
+        KernelFamily::WarpDecode => {
+            [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE, EXPAND_ROUTING, RESIDENT]
             .map(String::from)
             .into_iter()
             .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
-            .collect(),
+            .collect()
+        }
         KernelFamily::GroupedGemm => grouped::entry_points(),
         KernelFamily::Fused => vec![crate::fused::ENTRY.to_string()],
     }

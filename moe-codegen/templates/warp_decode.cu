@@ -783,6 +783,7 @@ moe_gate_up_t{{ mt }}(const __grid_constant__ GateUpParams params) {
 #endif  // entry moe_gate_up_t{{ mt }}
 {%- endfor %}
 {% include "decode_bulk.cuh" %}
+{% include "decode_resident.cuh" %}
 {% include "router.cuh" %}
 
 // Shared experts (DeepSeek-V3, Qwen2-MoE): every token's routing [m, R_TOP_K] widened to

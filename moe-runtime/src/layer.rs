@@ -278,6 +278,19 @@ impl MoeLayer {
         self.decode.bulk_one_token()
     }
 
+    /// Whether one-token steps on warp decode run as one cooperative launch whose blocks hold
+    /// their rows of the step's w2 in shared memory (`moe_decode_resident`: 16-bit weights where
+    /// a block's share fits this device), rather than as gate_up then down.
+    pub fn resident_one_token(&self) -> bool {
+        self.decode.resident_one_token()
+    }
+
+    /// Turn the resident one-token kernel off (or back on, where the spec and device have it):
+    /// one-token steps on warp decode then run the split kernels.
+    pub fn set_resident_one_token(&mut self, on: bool) {
+        self.decode.set_resident_one_token(on);
+    }
+
     /// The spec the layer was loaded with.
     pub fn spec(&self) -> &MoeSpec {
         &self.spec

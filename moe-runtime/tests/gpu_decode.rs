@@ -1,7 +1,10 @@
 //! Warp decode on a real GPU against the f64 CPU reference. Ignored without a GPU; run with
 //! `cargo test -- --ignored` on a GPU machine. Each test fails (never passes) when no GPU is found.
 
-use moe_codegen::{bulk_smem_bytes, render_warp_decode, DecodeTiles, MoeSpec, WeightFormat, REFERENCE_GEOMETRIES};
+use moe_codegen::{
+    bulk_smem_bytes, render_warp_decode, resident_rows, Activation, DecodeTiles, MoeSpec, WeightFormat,
+    REFERENCE_GEOMETRIES,
+};
 use moe_runtime::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moe_runtime::cudarc::driver::CudaSlice;
 use moe_runtime::reference::{compare, moe_forward};
@@ -60,10 +63,16 @@ fn layer_cases(dev: &Device, spec: MoeSpec, ms: &[usize]) {
 }
 
 fn layer_cases_with(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, ms: &[usize]) {
+    layer_cases_opts(dev, spec, tiles, ms, true)
+}
+
+/// As `layer_cases_with`; `resident` false keeps one-token steps on the split kernels.
+fn layer_cases_opts(dev: &Device, spec: MoeSpec, tiles: DecodeTiles, ms: &[usize], resident: bool) {
     let seed = fresh_seed();
     let w = random_weights(&spec, seed);
     let src = render_warp_decode(&spec, dev.arch(), tiles).unwrap();
     let mut layer = MoeLayer::with_source(dev, spec, src, &w).unwrap();
+    layer.set_resident_one_token(resident);
     let (gu, dn) = bulk_smem_bytes(&spec, &tiles);
     let fits = |n: u32| n <= dev.max_smem_optin();
     assert_eq!(layer.bulk_one_token(), (tiles.bulk_gu && fits(gu), tiles.bulk_dn && fits(dn)));
@@ -147,7 +156,8 @@ fn bulk_one_token_matches_reference() {
             println!("{}: bulk rings of {gu} / {dn} bytes do not fit this device", spec.id());
             continue;
         }
-        layer_cases_with(&dev, spec, tiles, &[1]);
+        // The bulk pair under test, not the resident kernel (16-bit weights).
+        layer_cases_opts(&dev, spec, tiles, &[1], false);
     }
     let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Int4G128).build().unwrap();
     let w = random_weights(&spec, fresh_seed());
@@ -167,6 +177,85 @@ fn bulk_one_token_matches_reference() {
     let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, &ids, &rw));
     println!("bulk, one id out of range: rel_l2={rel:.3e} cos={cos:.8}");
     assert!(rel <= 5e-3 && cos >= 0.99999);
+}
+
+/// The resident one-token kernel (`moe_decode_resident`) against the reference, and the split
+/// kernels on the same steps: Qwen3-30B-A3B in bf16 and fp16, a small geometry with biases and
+/// gpt-oss's activation, one with gated shared experts, and OLMoE (whose w2 rows do not fit a
+/// block of a 132-SM GPU: the layer runs the split kernels). Then a graph of one step replayed on
+/// fresh routing (the grid barrier's counters reset between launches) and an id out of range
+/// (counted and skipped).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn resident_one_token_matches_reference() {
+    let dev = gpu();
+    let specs = [
+        MoeSpec::builder(2048, 768, 128, 8).build().unwrap(),
+        MoeSpec::builder(2048, 768, 128, 8).weight_format(WeightFormat::Fp16).build().unwrap(),
+        MoeSpec::builder(1024, 512, 16, 4).bias(true).activation(Activation::SwigluOai).build().unwrap(),
+        MoeSpec::builder(1024, 256, 32, 4).build().unwrap().with_shared_experts(2, true).unwrap(),
+        MoeSpec::builder(2048, 1024, 64, 8).build().unwrap(),
+    ];
+    for spec in specs {
+        let w = random_weights(&spec, fresh_seed());
+        let src = render_warp_decode(&spec, dev.arch(), DecodeTiles::for_spec(&spec)).unwrap();
+        let mut layer = MoeLayer::with_source(&dev, spec, src, &w).unwrap();
+        layer.set_prefill_threshold(usize::MAX);
+        layer.set_validate_routing(false);
+        let fits = resident_rows(&spec, dev.sm_count(), dev.max_smem_optin()).is_some();
+        assert_eq!(layer.resident_one_token(), fits, "{}", spec.id());
+        println!("{}: resident kernel {}", spec.id(), if fits { "on" } else { "does not fit" });
+        match spec.act_dtype() {
+            moe_codegen::ActDtype::Bf16 => resident_cases::<half::bf16>(&mut layer, &w),
+            moe_codegen::ActDtype::Fp16 => resident_cases::<half::f16>(&mut layer, &w),
+        }
+    }
+}
+
+fn resident_cases<T: ActElem>(layer: &mut MoeLayer, w: &HostWeights) {
+    let spec = *layer.spec();
+    let check = |got: &[f32], want: &[f64], what: &str| {
+        assert!(got.iter().all(|v| v.is_finite()), "{} {what}: outputs unwritten or non-finite", spec.id());
+        let (rel, cos) = compare(got, want);
+        println!("{:<44} {what}: rel_l2={rel:.3e} cos={cos:.8}", spec.id());
+        assert!(rel <= 5e-3 && cos >= 0.99999, "{} {what}: rel_l2 {rel:.3e}, cos {cos:.8}", spec.id());
+    };
+    for r in 0..3 {
+        let (x, ids, rw) = random_step(&spec, 1, 0.0, fresh_seed() + r);
+        let want = moe_forward(&spec, w, &x, &ids, &rw);
+        for resident in [true, false] {
+            layer.set_resident_one_token(resident);
+            let got = run(layer, &mut upload::<T>(layer, &x, &ids, &rw));
+            check(&got, &want, if resident { "resident" } else { "split" });
+        }
+    }
+    layer.set_resident_one_token(true);
+    // One graph, replayed on fresh inputs written into the captured buffers.
+    layer.reserve(1).unwrap();
+    let (x, ids, rw) = random_step(&spec, 1, 0.0, fresh_seed());
+    let mut st = upload::<T>(layer, &x, &ids, &rw);
+    let s = layer.stream().clone();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    layer.forward(&st.x, &st.ids, &st.w, &mut st.y).unwrap();
+    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured a graph");
+    for r in 0..3 {
+        let (x, ids, rw) = random_step(&spec, 1, 0.0, fresh_seed() + 10 + r);
+        s.memcpy_htod(&x.iter().map(|&v| T::from_f32(v)).collect::<Vec<T>>(), &mut st.x).unwrap();
+        s.memcpy_htod(&ids, &mut st.ids).unwrap();
+        s.memcpy_htod(&rw, &mut st.w).unwrap();
+        s.memcpy_htod(&vec![T::from_f32(f32::NAN); x.len()], &mut st.y).unwrap();
+        graph.launch().unwrap();
+        let got: Vec<f32> = s.clone_dtoh(&st.y).unwrap().into_iter().map(T::to_f32).collect();
+        check(&got, &moe_forward(&spec, w, &x, &ids, &rw), &format!("graph replay {r}"));
+    }
+    // An id out of range: counted, its pair skipped.
+    let (x, mut ids, mut rw) = random_step(&spec, 1, 0.0, fresh_seed());
+    let experts = spec.experts() as i32;
+    ids[1] = experts;
+    let got = run(layer, &mut upload::<T>(layer, &x, &ids, &rw));
+    assert_eq!(layer.take_routing_errors().unwrap(), 1, "{}", spec.id());
+    (ids[1], rw[1]) = ((0..experts).find(|e| !ids.contains(e)).unwrap(), 0.0);
+    check(&got, &moe_forward(&spec, w, &x, &ids, &rw), "one id out of range");
 }
 
 #[test]

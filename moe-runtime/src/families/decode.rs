@@ -6,12 +6,14 @@
 use crate::device::Device;
 use crate::error::{Result, RuntimeError};
 use crate::families::StepPtrs;
-use crate::launch::{ptr, Kernel};
+use crate::launch::{cooperative_attrs, ptr, Kernel};
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
-use moe_codegen::params::{DownParams, ExpandParams, GateUpBulkParams, GateUpParams, IdsFromI64Params, RouteParams};
+use moe_codegen::params::{
+    DownParams, ExpandParams, GateUpBulkParams, GateUpParams, IdsFromI64Params, ResidentParams, RouteParams,
+};
 use moe_codegen::{
-    bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, routing_smem_bytes, DecodeTiles,
-    KernelSource, MoeSpec, TOKEN_TILES,
+    bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, resident_renders, resident_rows,
+    resident_smem_bytes, routing_smem_bytes, DecodeTiles, KernelSource, MoeSpec, RESIDENT_WARPS, TOKEN_TILES,
 };
 use std::sync::{Arc, Mutex};
 
@@ -31,6 +33,17 @@ struct BulkFn<P> {
     f: Kernel<P>,
     smem: u32,
     threads: u32,
+}
+
+/// `moe_decode_resident`: a one-token step in one cooperative launch of one block per SM, each
+/// block's rows of the step's w2 in its shared memory.
+struct ResidentFn {
+    f: Kernel<ResidentParams>,
+    rows: u32,
+    smem: u32,
+    grid: u32,
+    /// The grid barrier's arrivals and the blocks out; zero between launches.
+    sync: CudaSlice<u32>,
 }
 
 /// The down kernel (one for every token tile).
@@ -56,6 +69,10 @@ pub(crate) struct DecodeFamily {
     /// The bulk one-token kernels, where the tiles ask for them and their shared memory fits.
     bulk_gate_up: Option<BulkFn<GateUpBulkParams>>,
     bulk_down: Option<BulkFn<DownParams>>,
+    /// The resident one-token kernel, where the spec's weights are 16-bit and a block's share of
+    /// the step's w2 fits this device; `use_resident`: one-token steps take it.
+    resident: Option<ResidentFn>,
+    use_resident: bool,
     /// gate_up -> down intermediate, `[M * top_k, I]` f32, grown on demand.
     mid: Mutex<CudaSlice<f32>>,
     max_token_tile: u32,
@@ -128,6 +145,32 @@ impl DecodeFamily {
             smem,
             threads,
         });
+        let resident = match (resident_renders(spec), resident_rows(spec, device.sm_count(), device.max_smem_optin())) {
+            (false, _) => None,
+            (true, None) => {
+                next(); // compiled, not launched here: a block's w2 rows do not fit
+                None
+            }
+            (true, Some(rows)) => {
+                let f = next();
+                let smem = resident_smem_bytes(spec, rows);
+                f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+                let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(RESIDENT_WARPS * 32, smem as usize, None)?;
+                (per_sm >= 1).then(|| -> Result<ResidentFn> {
+                    Ok(ResidentFn {
+                        f: Kernel::new(f),
+                        rows,
+                        smem,
+                        grid: device.sm_count(),
+                        sync: stream.alloc_zeros::<u32>(2)?,
+                    })
+                })
+                .transpose()?
+            }
+        };
+        // The intermediate scratch holds the resident kernel's [top_k, I] f32.
+        let kspec = spec.kernel_spec();
+        debug_assert!(decode_mid_floats(spec, 1) >= (kspec.top_k() * kspec.intermediate()) as usize);
         // Static shared memory (LUT tables, down's stash) as the compiled kernels declare it.
         let mut static_smem = 0;
         for f in tiles.iter().map(|t| &*t.gate_up).chain([&*down.f, &*down_stash.f]) {
@@ -150,6 +193,8 @@ impl DecodeFamily {
             down_stash,
             bulk_gate_up,
             bulk_down,
+            resident,
+            use_resident: true,
             mid: Mutex::new(stream.alloc_zeros::<f32>(decode_mid_floats(spec, 1))?),
             max_token_tile: DEFAULT_MAX_TOKEN_TILE,
             ids_from_i64,
@@ -170,7 +215,20 @@ impl DecodeFamily {
             names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| GATE_UP_BULK.to_string()));
             names.extend((dt.bulk_dn && dn_smem <= max_smem).then(|| DOWN_BULK.to_string()));
         }
+        names.extend(resident_renders(spec).then(|| RESIDENT.to_string()));
         names
+    }
+
+    /// Whether one-token steps take the resident kernel (`moe_decode_resident`): the spec and the
+    /// device have it and [`DecodeFamily::set_resident_one_token`] has not turned it off.
+    pub fn resident_one_token(&self) -> bool {
+        self.use_resident && self.resident.is_some()
+    }
+
+    /// Whether one-token steps may take the resident kernel (on by default); off, they run the
+    /// split kernels (gate_up, then down).
+    pub fn set_resident_one_token(&mut self, on: bool) {
+        self.use_resident = on;
     }
 
     /// The largest token tile a step may pick.
@@ -329,6 +387,27 @@ impl DecodeFamily {
         // touches memory its predecessor may use, so only launch latency overlaps.
         // The bulk kernels: one block per SM (a producer warp and the consumers).
         let bulk_grid = |tiles: u64| tiles.min(self.sms as u64) as u32;
+        if let (1, Some(r), true) = (m, &self.resident, self.use_resident) {
+            let rp = ResidentParams {
+                x: p.x,
+                topk_ids: p.ids,
+                topk_weights: p.weights,
+                w13: p.w13,
+                w13_bias: p.w13_bias,
+                w2: p.w2,
+                w2_bias: p.w2_bias,
+                mid,
+                y: p.y,
+                sync: ptr(&r.sync, s),
+                err: p.errors,
+                choice: p.choice,
+                rows: r.rows as i32,
+            };
+            // SAFETY: as below; the grid is one block per SM, every one resident (cooperative).
+            return unsafe {
+                r.f.launch_with(s, (r.grid, RESIDENT_WARPS * 32, r.smem), cooperative_attrs(), rp)
+            };
+        }
         // SAFETY: the step's pointers were checked against the spec by the layer, the
         // intermediate is sized for this launch (reserve above).
         unsafe {
