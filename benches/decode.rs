@@ -22,7 +22,9 @@ use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{ActElem, Device, MoeLayer};
-use moeforge::codegen::{render_warp_decode, resident_rows, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat};
+use moeforge::codegen::{
+    render_warp_decode, resident_rows, ActDtype, DecodeTiles, DequantVariant, MoeSpec, WeightFormat,
+};
 use std::sync::Arc;
 use std::time::Duration;
 

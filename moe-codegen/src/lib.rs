@@ -24,9 +24,9 @@ pub use fused::{fused_smem_bytes, fused_support, render_fused, FusedTiles};
 pub use grouped::{grouped_support, render_grouped, GemmTiles, Mma};
 pub use render::{
     bulk_smem_bytes, decode_down_smem_bytes, decode_mid_floats, decode_smem_bytes, dequant_variants, family_supports,
-    render, render_count, render_dequant_probe, render_warp_decode, resident_renders, resident_rows, resident_smem_bytes,
-    routing_smem_bytes, static_smem_bytes, variants,
-    CodegenError, DecodeTiles, KernelSource, BULK_SMEM_BUDGET, BULK_SMEM_MAX, RESIDENT_WARPS, TOKEN_TILES, X_STAGE_MAX_BYTES,
+    render, render_count, render_dequant_probe, render_warp_decode, resident_renders, resident_rows,
+    resident_smem_bytes, routing_smem_bytes, static_smem_bytes, variants, CodegenError, DecodeTiles, KernelSource,
+    BULK_SMEM_BUDGET, BULK_SMEM_MAX, RESIDENT_WARPS, TOKEN_TILES, X_STAGE_MAX_BYTES,
 };
 pub use router::{GroupLimited, Router};
 pub use spec::{ActDtype, Activation, Arch, KernelFamily, MoeSpec, MoeSpecBuilder, SpecError, REFERENCE_GEOMETRIES};

@@ -575,10 +575,10 @@ pub fn entry_points(family: KernelFamily) -> Vec<String> {
     match family {
         KernelFamily::WarpDecode => {
             [DOWN, DOWN_STASH, GATE_UP_BULK, DOWN_BULK, IDS_FROM_I64, ROUTE, EXPAND_ROUTING, RESIDENT]
-            .map(String::from)
-            .into_iter()
-            .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
-            .collect()
+                .map(String::from)
+                .into_iter()
+                .chain(TOKEN_TILES.iter().map(|&t| gate_up(t)))
+                .collect()
         }
         KernelFamily::GroupedGemm => grouped::entry_points(),
         KernelFamily::Fused => vec![crate::fused::ENTRY.to_string()],

@@ -1,7 +1,7 @@
 //! A MoE layer on one GPU: its weights, its kernels, and `forward`.
 
 use crate::device::Device;
-use crate::dispatch::{choose_family, Choice, DispatchModel};
+use crate::dispatch::{choose_family, Choice, DispatchModel, ModelSource};
 use crate::error::{Result, RuntimeError};
 use crate::families::decode::DecodeFamily;
 use crate::families::fused::FusedFamily;
@@ -504,6 +504,17 @@ impl MoeLayer {
     /// chooses it on the device from each step's routing.
     pub fn family_for(&self, m: usize) -> Option<KernelFamily> {
         match self.dispatch {
+            // Without a profile, a one-token step takes the resident kernel where the layer has
+            // it: measured ahead of the others' split and fused kernels (docs/decode-notes.md),
+            // which the analytic planes do not model.
+            Some(model)
+                if m == 1
+                    && m < self.prefill_threshold
+                    && model.source == ModelSource::Analytic
+                    && self.resident_one_token() =>
+            {
+                Some(KernelFamily::WarpDecode)
+            }
             Some(model) if m < self.prefill_threshold => {
                 model.fixed_choice(m, self.kspec.top_k(), self.kspec.experts())
             }

@@ -154,18 +154,23 @@ impl DecodeFamily {
             (true, Some(rows)) => {
                 let f = next();
                 let smem = resident_smem_bytes(spec, rows);
-                f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-                let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(RESIDENT_WARPS * 32, smem as usize, None)?;
-                (per_sm >= 1).then(|| -> Result<ResidentFn> {
-                    Ok(ResidentFn {
-                        f: Kernel::new(f),
-                        rows,
-                        smem,
-                        grid: device.sm_count(),
-                        sync: stream.alloc_zeros::<u32>(2)?,
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+                let per_sm =
+                    f.occupancy_max_active_blocks_per_multiprocessor(RESIDENT_WARPS * 32, smem as usize, None)?;
+                (per_sm >= 1)
+                    .then(|| -> Result<ResidentFn> {
+                        Ok(ResidentFn {
+                            f: Kernel::new(f),
+                            rows,
+                            smem,
+                            grid: device.sm_count(),
+                            sync: stream.alloc_zeros::<u32>(2)?,
+                        })
                     })
-                })
-                .transpose()?
+                    .transpose()?
             }
         };
         // The intermediate scratch holds the resident kernel's [top_k, I] f32.
@@ -404,9 +409,7 @@ impl DecodeFamily {
                 rows: r.rows as i32,
             };
             // SAFETY: as below; the grid is one block per SM, every one resident (cooperative).
-            return unsafe {
-                r.f.launch_with(s, (r.grid, RESIDENT_WARPS * 32, r.smem), cooperative_attrs(), rp)
-            };
+            return unsafe { r.f.launch_with(s, (r.grid, RESIDENT_WARPS * 32, r.smem), cooperative_attrs(), rp) };
         }
         // SAFETY: the step's pointers were checked against the spec by the layer, the
         // intermediate is sized for this launch (reserve above).
