@@ -285,6 +285,9 @@ struct WarpDecodeCu {
     resident: bool,
     w16_type: &'static str,
     res_warps: u32,
+    /// [`resident_smem_bytes`] at 8 and 16 rows, which the template asserts.
+    res_smem8: u32,
+    res_smem16: u32,
 }
 
 /// Render one kernel family of a spec for an arch.
@@ -415,6 +418,8 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         resident: resident_renders(spec),
         w16_type: if spec.weight_format() == WeightFormat::Fp16 { "__half" } else { "__nv_bfloat16" },
         res_warps: RESIDENT_WARPS,
+        res_smem8: resident_smem_bytes(spec, 8),
+        res_smem16: resident_smem_bytes(spec, 16),
     };
     let source = t.render().map_err(|e| CodegenError::Template(e.to_string()))?;
     Ok(KernelSource {
@@ -773,6 +778,24 @@ mod tests {
             assert!(k.source.contains(&sig), "{ep}");
         }
         assert_eq!(k.name, "warp_decode_h2048_i768_e128_k8_bf16_bf16_silu");
+    }
+
+    #[test]
+    fn the_resident_kernel_serves_16_bit_weights_whose_w2_share_fits() {
+        let sm90 = 232_448; // an H100's or H200's opt-in shared memory per block
+        let spec = |h, i, e, k, f| MoeSpec::builder(h, i, e, k).weight_format(f).build().unwrap();
+        let qwen3 = spec(2048, 768, 128, 8, WeightFormat::Bf16);
+        assert_eq!(resident_rows(&qwen3, 132, sm90), Some(16));
+        assert_eq!(resident_smem_bytes(&qwen3, 16), 8 * 16 * 768 * 2 + 2048 * 4 + 8 * 16 * 4 + 8);
+        assert_eq!(resident_rows(&qwen3, 114, sm90), None, "114 SMs (H100 PCIe): 24 rows, 297 KiB");
+        assert_eq!(resident_rows(&qwen3, 132, 99 * 1024), None, "sm_120a's 99 KiB");
+        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Fp16), 132, sm90), Some(16));
+        assert_eq!(resident_rows(&spec(2048, 1024, 64, 8, WeightFormat::Bf16), 132, sm90), None, "OLMoE: 256 KiB");
+        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Mxfp4), 132, sm90), None);
+        assert!(!resident_renders(&spec(2880, 2880, 32, 4, WeightFormat::Bf16)), "gpt-oss: 2880 not 256-aligned");
+        // Shared experts are slots of the kernel spec.
+        let shared = spec(1024, 256, 32, 4, WeightFormat::Bf16).with_shared_experts(2, false).unwrap();
+        assert_eq!(resident_smem_bytes(&shared, 8), 6 * 8 * 256 * 2 + 1024 * 4 + 6 * 8 * 4 + 8);
     }
 
     #[test]

@@ -23,6 +23,9 @@ __host__ __device__ constexpr int res_w2_bytes(int rows) { return TOP_K * rows *
 __host__ __device__ constexpr int res_smem_bytes(int rows) {
     return res_w2_bytes(rows) + HIDDEN * 4 + (TOP_K * rows * 4 + 7) / 8 * 8 + 8;
 }
+// The host sizes the launch with resident_smem_bytes: the same at two row counts (both are linear
+// in the rows past the rounding, which 8-row multiples keep whole).
+static_assert(res_smem_bytes(8) == {{ res_smem8 }} && res_smem_bytes(16) == {{ res_smem16 }}, "resident_smem_bytes");
 // Eight weights times eight fp32 activations, added to acc.
 __device__ __forceinline__ float res_dot8(uint4 w, float4 a, float4 b, float acc) {
     float f[8];
