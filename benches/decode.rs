@@ -286,7 +286,7 @@ fn report(dev: &Device, out: Option<&str>, filters: &Filters) {
         let f = spec.weight_format();
         // The cap of 1 is measured on bf16 and fp8 only.
         let more = matches!(f, WeightFormat::Bf16 | WeightFormat::Fp8E4m3);
-        let resident = resident_rows(&spec, dev.sm_count(), dev.max_smem_optin()).is_some();
+        let resident = resident_rows(&spec, dev.arch(), dev.sm_count(), dev.max_smem_optin()).is_some();
         for v in [0, 4, 1].into_iter().filter(|&v| v == 4 || (v == 1 && more) || (v == 0 && resident)) {
             if variants.is_empty() || variants.iter().any(|n| n == variant_name(v)) {
                 report_rows(dev, &s, spec, v, ms, copy, &date, &mut rows, &mut table);

@@ -149,15 +149,17 @@ kernel_params! {
         m: i32 = "int",
         err: u64 = "int* __restrict__",
     }
-    /// `moe_decode_resident`: a one-token step in one cooperative launch (16-bit weights, each
-    /// block's w2 rows in shared memory).
+    /// `moe_decode_resident`: a one-token step in one cooperative launch (weights without group
+    /// scales, each block's w2 rows in shared memory).
     ResidentParams {
         x: u64 = "const act_t* __restrict__",
         topk_ids: u64 = "const int* __restrict__",
         topk_weights: u64 = "const float* __restrict__",
         w13: u64 = "const uint4* __restrict__",
+        w13_scales: u64 = "const void* __restrict__",
         w13_bias: u64 = "const float* __restrict__",
         w2: u64 = "const uint4* __restrict__",
+        w2_scales: u64 = "const void* __restrict__",
         w2_bias: u64 = "const float* __restrict__",
         mid: u64 = "float* __restrict__",
         y: u64 = "act_t* __restrict__",

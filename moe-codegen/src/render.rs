@@ -1,7 +1,7 @@
 //! Rendering: (spec, family, arch) -> CUDA C source with every geometry and format constant baked in.
 
 use crate::dequant::DequantVariant;
-use crate::format::{Codec, WeightFormat};
+use crate::format::{Codec, ScaleLayout, WeightFormat};
 use crate::grouped;
 pub use crate::heuristics::{BULK_SMEM_BUDGET, TOKEN_TILES, X_STAGE_MAX_BYTES};
 use crate::numerics::{e2m1_to_f32, e4m3_to_f32};
@@ -280,10 +280,8 @@ struct WarpDecodeCu {
     /// Shared experts ([`MoeSpec::shared_experts`]) and whether they are gated.
     shared: u32,
     shared_gated: bool,
-    /// `moe_decode_resident` has a body (16-bit weights, [`resident_renders`]), its weights'
-    /// element type and its warps.
+    /// `moe_decode_resident` has a body ([`resident_renders`]), and its warps.
     resident: bool,
-    w16_type: &'static str,
     res_warps: u32,
     /// [`resident_smem_bytes`] at 8 and 16 rows, which the template asserts.
     res_smem8: u32,
@@ -415,8 +413,7 @@ pub fn render_warp_decode(spec: &MoeSpec, arch: Arch, tiles: DecodeTiles) -> Res
         bulk_dn_smem: dn,
         dn_stash_smem,
         static_smem,
-        resident: resident_renders(spec),
-        w16_type: if spec.weight_format() == WeightFormat::Fp16 { "__half" } else { "__nv_bfloat16" },
+        resident: resident_renders(spec, arch),
         res_warps: RESIDENT_WARPS,
         res_smem8: resident_smem_bytes(spec, 8),
         res_smem16: resident_smem_bytes(spec, 16),
@@ -544,29 +541,36 @@ pub mod decode_entry {
 pub const RESIDENT_WARPS: u32 = 16;
 
 /// Whether `moe_decode_resident` has a body for `spec` (its kernel spec: shared experts as
-/// slots): 16-bit weights with whole 16-byte vectors per lane of a w13 and a w2 row.
-pub fn resident_renders(spec: &MoeSpec) -> bool {
+/// slots) on `arch`: 16-bit weights (no scales), whole 16-byte vectors per lane of a w13 row and
+/// whole vectors in a w2 row. The kernel decodes through the format's `dequant_vec` and applies
+/// row scales, but per-channel fp8, int8 and int4 measured slower with it than with the split
+/// kernels (docs/decode-notes.md), so only 16-bit weights take it.
+pub fn resident_renders(spec: &MoeSpec, arch: Arch) -> bool {
     let spec = spec.kernel_spec();
-    matches!(spec.weight_format().codec(), Codec::Bf16 | Codec::Fp16)
-        && spec.hidden() % 256 == 0
-        && spec.intermediate() % 256 == 0
+    let f = spec.weight_format();
+    let vec = f.elems_per_16b();
+    matches!(f.scale_layout(), ScaleLayout::None)
+        && spec.dequant_for(arch).is_ok_and(|v| v != DequantVariant::Lut)
+        && spec.hidden() % (32 * vec) == 0
+        && spec.intermediate() % vec == 0
 }
 
 /// Dynamic shared memory of `moe_decode_resident` with `rows` hidden rows a block: the block's w2
-/// rows of every slot, x in fp32, the (slot, row) sums and the mbarrier (`decode_resident.cuh`'s
-/// `res_smem_bytes`).
+/// rows of every slot (packed as stored), x in fp32, the (slot, row) sums and the mbarrier
+/// (`decode_resident.cuh`'s `res_smem_bytes`).
 pub fn resident_smem_bytes(spec: &MoeSpec, rows: u32) -> u32 {
     let spec = spec.kernel_spec();
     let (k, i, h) = (spec.top_k(), spec.intermediate(), spec.hidden());
-    k * rows * i * 2 + h * 4 + (k * rows * 4).div_ceil(8) * 8 + 8
+    let row_bytes = i / spec.weight_format().elems_per_16b() * 16;
+    k * rows * row_bytes + h * 4 + (k * rows * 4).div_ceil(8) * 8 + 8
 }
 
 /// Hidden rows a block of `moe_decode_resident` owns on a device of `sms` SMs (one block each)
 /// whose blocks may take `max_smem` bytes of shared memory, or `None` where the kernel has no body
 /// or a block's share of the step's w2 does not fit: ceil(H / sms) rounded up to whole 8-row
 /// groups (the down's tasks).
-pub fn resident_rows(spec: &MoeSpec, sms: u32, max_smem: u32) -> Option<u32> {
-    if !resident_renders(spec) || sms == 0 {
+pub fn resident_rows(spec: &MoeSpec, arch: Arch, sms: u32, max_smem: u32) -> Option<u32> {
+    if !resident_renders(spec, arch) || sms == 0 {
         return None;
     }
     let rows = spec.hidden().div_ceil(sms).div_ceil(8) * 8;
@@ -785,17 +789,27 @@ mod tests {
         let sm90 = 232_448; // an H100's or H200's opt-in shared memory per block
         let spec = |h, i, e, k, f| MoeSpec::builder(h, i, e, k).weight_format(f).build().unwrap();
         let qwen3 = spec(2048, 768, 128, 8, WeightFormat::Bf16);
-        assert_eq!(resident_rows(&qwen3, 132, sm90), Some(16));
+        assert_eq!(resident_rows(&qwen3, Arch::Sm90a, 132, sm90), Some(16));
         assert_eq!(resident_smem_bytes(&qwen3, 16), 8 * 16 * 768 * 2 + 2048 * 4 + 8 * 16 * 4 + 8);
-        assert_eq!(resident_rows(&qwen3, 114, sm90), None, "114 SMs (H100 PCIe): 24 rows, 297 KiB");
-        assert_eq!(resident_rows(&qwen3, 132, 99 * 1024), None, "sm_120a's 99 KiB");
-        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Fp16), 132, sm90), Some(16));
-        assert_eq!(resident_rows(&spec(2048, 1024, 64, 8, WeightFormat::Bf16), 132, sm90), None, "OLMoE: 256 KiB");
-        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Mxfp4), 132, sm90), None);
-        assert!(!resident_renders(&spec(2880, 2880, 32, 4, WeightFormat::Bf16)), "gpt-oss: 2880 not 256-aligned");
-        // Shared experts are slots of the kernel spec.
-        let shared = spec(1024, 256, 32, 4, WeightFormat::Bf16).with_shared_experts(2, false).unwrap();
-        assert_eq!(resident_smem_bytes(&shared, 8), 6 * 8 * 256 * 2 + 1024 * 4 + 6 * 8 * 4 + 8);
+        assert_eq!(resident_rows(&qwen3, Arch::Sm90a, 114, sm90), None, "114 SMs (H100 PCIe): 24 rows, 297 KiB");
+        assert_eq!(resident_rows(&qwen3, Arch::Sm90a, 132, 99 * 1024), None, "sm_120a's 99 KiB");
+        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Fp16), Arch::Sm90a, 132, sm90), Some(16));
+        assert_eq!(
+            resident_rows(&spec(2048, 1024, 64, 8, WeightFormat::Bf16), Arch::Sm90a, 132, sm90),
+            None,
+            "OLMoE: 256 KiB"
+        );
+        assert_eq!(resident_rows(&spec(2048, 768, 128, 8, WeightFormat::Mxfp4), Arch::Sm90a, 132, sm90), None);
+        assert!(
+            !resident_renders(&spec(2880, 2880, 32, 4, WeightFormat::Bf16), Arch::Sm90a),
+            "gpt-oss: 2880 not 256-aligned"
+        );
+        // Not the quantized formats: slower than the split kernels (row scales), or group scales.
+        for f in
+            [WeightFormat::Fp8E4m3, WeightFormat::Int8, WeightFormat::Int4, WeightFormat::Int4G128, WeightFormat::Mxfp4]
+        {
+            assert!(!resident_renders(&spec(2048, 768, 128, 8, f), Arch::Sm90a), "{f}");
+        }
     }
 
     #[test]

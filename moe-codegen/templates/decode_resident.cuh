@@ -1,43 +1,56 @@
 // moe_decode_resident: a one-token step in one cooperative launch, for 16-bit weights where every
-// block's share of the step's w2 fits in its shared memory (host: resident_smem_bytes).
+// block's share of the step's w2 fits in its shared memory (host: resident_renders, resident_rows,
+// resident_smem_bytes; the decode and row scales are the format's, but per-channel fp8, int8 and
+// int4 ran slower this way than on the split kernels).
 // Block b owns hidden rows [b rows, b rows + rows) of y. At its start it bulk-copies those rows of
-// each slot's w2 into shared memory (one copy per slot, the rows contiguous in w2 [E, H, I]);
-// meanwhile its warps stream w13: unit u = (slot u / I, neuron u % I), warp w of block b taking
-// units b + G (w + WARPS i), a warp's gate and up rows wholly in flight (RES_NC 16-byte vectors a
-// lane of each). The intermediate goes to `mid` [TOP_K, I] f32. After one grid barrier every
-// block has the whole intermediate and its w2 rows on chip: its down is shared-memory reads,
-// with no weight stream after the barrier. So the step's bytes are one stream from the start,
-// where the split kernels (gate_up, then down) pay a second ramp and tail.
+// each slot's w2 into shared memory (one copy per slot, the rows contiguous in w2 [E, H, I], packed
+// as stored); meanwhile its warps stream w13: unit u = (slot u / I, neuron u % I), warp w of block
+// b taking units b + G (w + WARPS i), a warp's gate and up rows wholly in flight (RES_VPL 16-byte
+// vectors a lane of each). The intermediate goes to `mid` [TOP_K, I] f32. After one grid barrier
+// every block has the whole intermediate and its w2 rows on chip: its down is shared-memory
+// reads, with no weight stream after the barrier. So the step's bytes are one stream from the
+// start, where the split kernels (gate_up, then down) pay a second ramp and tail. Weights decode
+// through the format's dequant_vec (the warp-decode seam), row scales on each dot product.
 // The barrier: one release add per block, one acquiring poller per block; the last block out
 // resets both counters (`sync` [2], zero between launches) for the next launch.
 {%- if resident %}
-typedef {{ w16_type }} w16_t;  // the weights' element type
 constexpr int RES_WARPS = {{ res_warps }};
-constexpr int RES_NC = HIDDEN / 256;  // 16-byte vectors per lane of a w13 row
-constexpr int RES_MC = INTER / 256;   // ... of a w2 row
-static_assert(HIDDEN % 256 == 0 && INTER % 256 == 0, "whole 16-byte vectors per lane (resident_fits)");
-static_assert(W_VEC == 8, "16-bit weights");
-// Shared memory past the w2 rows [TOP_K][rows][INTER]: x in fp32 [HIDDEN], each (slot, row)'s
-// sum [TOP_K][rows], the mbarrier (host: resident_smem_bytes).
-__host__ __device__ constexpr int res_w2_bytes(int rows) { return TOP_K * rows * INTER * 2; }
+constexpr int RES_VPL = HIDDEN / W_VEC / 32;                 // 16-byte vectors per lane of a w13 row
+constexpr int RES_NV_I = INTER / W_VEC;                      // ... of a w2 row
+constexpr int RES_VPL_I = (RES_NV_I + 31) / 32;              // ... per lane of it (the last may be partial)
+constexpr int RES_ROW_BYTES = RES_NV_I * 16;                 // a w2 row's bytes
+static_assert(HIDDEN % (32 * W_VEC) == 0 && INTER % W_VEC == 0, "whole vectors per lane (resident_renders)");
+static_assert(!W_GROUP_SCALED, "row scales at most (resident_renders)");
+// Shared memory past the w2 rows [TOP_K][rows]: x in fp32 [HIDDEN], each (slot, row)'s sum
+// [TOP_K][rows], the mbarrier (host: resident_smem_bytes).
+__host__ __device__ constexpr int res_w2_bytes(int rows) { return TOP_K * rows * RES_ROW_BYTES; }
 __host__ __device__ constexpr int res_smem_bytes(int rows) {
     return res_w2_bytes(rows) + HIDDEN * 4 + (TOP_K * rows * 4 + 7) / 8 * 8 + 8;
 }
 // The host sizes the launch with resident_smem_bytes: the same at two row counts (both are linear
 // in the rows past the rounding, which 8-row multiples keep whole).
 static_assert(res_smem_bytes(8) == {{ res_smem8 }} && res_smem_bytes(16) == {{ res_smem16 }}, "resident_smem_bytes");
-// Eight weights times eight fp32 activations, added to acc.
-__device__ __forceinline__ float res_dot8(uint4 w, float4 a, float4 b, float acc) {
-    float f[8];
-    widen8(w, static_cast<const w16_t*>(nullptr), f);
-    acc = fmaf(f[0], a.x, acc);
-    acc = fmaf(f[1], a.y, acc);
-    acc = fmaf(f[2], a.z, acc);
-    acc = fmaf(f[3], a.w, acc);
-    acc = fmaf(f[4], b.x, acc);
-    acc = fmaf(f[5], b.y, acc);
-    acc = fmaf(f[6], b.z, acc);
-    return fmaf(f[7], b.w, acc);
+// One vector of weights (W_VEC, decoded) times W_VEC fp32 activations at a, added to acc.
+__device__ __forceinline__ float res_dot(const uint4 v, const float* a, float acc) {
+    float w[W_VEC];
+    dequant_vec(v, WScale{}, w);
+#pragma unroll
+    for (int q = 0; q < W_VEC / 4; ++q) {
+        const float4 x4 = reinterpret_cast<const float4*>(a)[q];
+        acc = fmaf(w[4 * q], x4.x, acc);
+        acc = fmaf(w[4 * q + 1], x4.y, acc);
+        acc = fmaf(w[4 * q + 2], x4.z, acc);
+        acc = fmaf(w[4 * q + 3], x4.w, acc);
+    }
+    return acc;
+}
+// The same with the activations in registers.
+__device__ __forceinline__ float res_dot(const uint4 v, const float (&a)[W_VEC], float acc) {
+    float w[W_VEC];
+    dequant_vec(v, WScale{}, w);
+#pragma unroll
+    for (int i = 0; i < W_VEC; ++i) acc = fmaf(w[i], a[i], acc);
+    return acc;
 }
 // Eight per-lane values summed over the warp in 9 shuffles: lane bits 4, 3 and 2 pick the value
 // a lane keeps (value 4 b4 + 2 b3 + b2), whose sum lanes l with l % 4 == 0 return.
@@ -58,28 +71,28 @@ __device__ __forceinline__ float res_sum8(float (&v)[8], int lane) {
     return r + __shfl_xor_sync(0xffffffffu, r, 1);
 }
 // One unit: neuron j of slot s's expert e, its intermediate value (lane 0's is the one kept).
-__device__ __forceinline__ float res_unit(const uint4* __restrict__ w13, const float* __restrict__ w13_bias,
-                                          const float* xs, int e, int j, int lane) {
-    const char* g = reinterpret_cast<const char*>(w13) + ((long)e * 2 * INTER + j) * HIDDEN * 2;
-    const char* up = g + (long)INTER * HIDDEN * 2;
-    uint4 gv[RES_NC], uv[RES_NC];
+__device__ __forceinline__ float res_unit(const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
+                                          const float* __restrict__ w13_bias, const float* xs, int e, int j, int lane) {
+    const long grow = (long)e * 2 * INTER + j, urow = grow + INTER;
+    const uint4* g = w13 + grow * (HIDDEN / W_VEC);
+    const uint4* up = w13 + urow * (HIDDEN / W_VEC);
+    uint4 gv[RES_VPL], uv[RES_VPL];
 #pragma unroll
-    for (int c = 0; c < RES_NC; ++c) gv[c] = ldg_stream(g + 16 * (lane + 32 * c));
+    for (int c = 0; c < RES_VPL; ++c) gv[c] = ldg_stream(g + lane + 32 * c);
 #pragma unroll
-    for (int c = 0; c < RES_NC; ++c) uv[c] = ldg_stream(up + 16 * (lane + 32 * c));
+    for (int c = 0; c < RES_VPL; ++c) uv[c] = ldg_stream(up + lane + 32 * c);
     float ga = 0.f, ua = 0.f;
 #pragma unroll
-    for (int c = 0; c < RES_NC; ++c) {
-        const float4* xp = reinterpret_cast<const float4*>(xs) + 2 * (lane + 32 * c);
-        const float4 a = xp[0], b = xp[1];
-        ga = res_dot8(gv[c], a, b, ga);
-        ua = res_dot8(uv[c], a, b, ua);
+    for (int c = 0; c < RES_VPL; ++c) {
+        const float* a = xs + (lane + 32 * c) * W_VEC;
+        ga = res_dot(gv[c], a, ga);
+        ua = res_dot(uv[c], a, ua);
     }
-    ga = warp_sum(ga);
-    ua = warp_sum(ua);
+    ga = warp_sum(ga) * row_scale<W13>(w13_scales, grow);
+    ua = warp_sum(ua) * row_scale<W13>(w13_scales, urow);
     if constexpr (HAS_BIAS) {
-        ga += w13_bias[(long)e * 2 * INTER + j];
-        ua += w13_bias[(long)e * 2 * INTER + INTER + j];
+        ga += w13_bias[grow];
+        ua += w13_bias[urow];
     }
     return moe_glu(ga, ua);
 }
@@ -113,14 +126,13 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
     // This block's w2 rows of every slot, in flight for the whole up phase.
     if (threadIdx.x == 0 && nrows > 0) {
         int bytes = 0;
-        for (int s = 0; s < TOP_K; ++s) bytes += sid[s] >= 0 ? nrows * INTER * 2 : 0;
+        for (int s = 0; s < TOP_K; ++s) bytes += sid[s] >= 0 ? nrows * RES_ROW_BYTES : 0;
         mbar_arrive_expect_tx(bar, bytes);
         const unsigned long long policy = l2_evict_first();
         for (int s = 0; s < TOP_K; ++s)
             if (sid[s] >= 0)
-                bulk_load(smem_u32(w2s + s * rows * INTER * 2),
-                          reinterpret_cast<const char*>(w2) + ((long)sid[s] * HIDDEN + r0) * INTER * 2,
-                          nrows * INTER * 2, bar, policy);
+                bulk_load(smem_u32(w2s + s * rows * RES_ROW_BYTES), w2 + ((long)sid[s] * HIDDEN + r0) * RES_NV_I,
+                          nrows * RES_ROW_BYTES, bar, policy);
     }
     for (int i = threadIdx.x; i < HIDDEN / 8; i += RES_WARPS * 32) {
         float f[8];
@@ -131,7 +143,7 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
     __syncthreads();
     for (int u = blockIdx.x + grid * warp; u < TOP_K * INTER; u += grid * RES_WARPS) {
         const int s = u / INTER, e = sid[s];
-        const float v = e >= 0 ? res_unit(w13, w13_bias, xs, e, u % INTER, lane) : 0.f;
+        const float v = e >= 0 ? res_unit(w13, w13_scales, w13_bias, xs, e, u % INTER, lane) : 0.f;
         if (lane == 0) mid[u] = v;
     }
     // The grid barrier: this block's intermediate values before, every block's after.
@@ -152,27 +164,36 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
         for (int task = warp; task < TOP_K * groups; task += RES_WARPS) {
             const int s = task % TOP_K, q = task / TOP_K;
             if (sid[s] < 0) continue;
-            float4 mv[RES_MC][2];
+            // The slot's intermediate at this lane's vectors of a w2 row.
+            float mv[RES_VPL_I][W_VEC];
 #pragma unroll
-            for (int c = 0; c < RES_MC; ++c) {
-                const float4* mp = reinterpret_cast<const float4*>(mid + s * INTER) + 2 * (lane + 32 * c);
-                mv[c][0] = __ldcg(mp);
-                mv[c][1] = __ldcg(mp + 1);
+            for (int c = 0; c < RES_VPL_I; ++c) {
+                const int vi = lane + 32 * c;
+                if (vi >= RES_NV_I) continue;
+#pragma unroll
+                for (int q = 0; q < W_VEC / 4; ++q) {
+                    const float4 m4 = __ldcg(reinterpret_cast<const float4*>(mid + s * INTER + vi * W_VEC) + q);
+                    mv[c][4 * q] = m4.x;
+                    mv[c][4 * q + 1] = m4.y;
+                    mv[c][4 * q + 2] = m4.z;
+                    mv[c][4 * q + 3] = m4.w;
+                }
             }
             float v[8];
 #pragma unroll
             for (int rr = 0; rr < 8; ++rr) {
                 const int row = min(q * 8 + rr, nrows - 1);
-                const unsigned char* wrow = w2s + (s * rows + row) * INTER * 2;
+                const uint4* wrow = reinterpret_cast<const uint4*>(w2s + (s * rows + row) * RES_ROW_BYTES);
                 float acc = 0.f;
 #pragma unroll
-                for (int c = 0; c < RES_MC; ++c)
-                    acc = res_dot8(*reinterpret_cast<const uint4*>(wrow + 16 * (lane + 32 * c)), mv[c][0], mv[c][1], acc);
+                for (int c = 0; c < RES_VPL_I; ++c)
+                    if (lane + 32 * c < RES_NV_I) acc = res_dot(wrow[lane + 32 * c], mv[c], acc);
                 v[rr] = acc;
             }
             const float sum = res_sum8(v, lane);
             const int row = q * 8 + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
-            if (lane % 4 == 0 && row < nrows) part[s * rows + row] = sum;
+            if (lane % 4 == 0 && row < nrows)
+                part[s * rows + row] = sum * row_scale<W2>(w2_scales, (long)sid[s] * HIDDEN + r0 + row);
         }
         __syncthreads();
         if (threadIdx.x < nrows) {
@@ -197,7 +218,8 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
 #endif  // entry moe_decode_resident
 {%- else %}
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_decode_resident)
-// Not launched: this spec's weights are not 16-bit (resident_fits).
+// Not launched: this spec's weights have group scales, or rows of partial vectors per lane
+// (resident_renders).
 extern "C" __global__ void moe_decode_resident(const __grid_constant__ ResidentParams) {}
 #endif  // entry moe_decode_resident
 {%- endif %}

@@ -202,7 +202,7 @@ fn resident_one_token_matches_reference() {
         let mut layer = MoeLayer::with_source(&dev, spec, src, &w).unwrap();
         layer.set_prefill_threshold(usize::MAX);
         layer.set_validate_routing(false);
-        let fits = resident_rows(&spec, dev.sm_count(), dev.max_smem_optin()).is_some();
+        let fits = resident_rows(&spec, dev.arch(), dev.sm_count(), dev.max_smem_optin()).is_some();
         assert_eq!(layer.resident_one_token(), fits, "{}", spec.id());
         println!("{}: resident kernel {}", spec.id(), if fits { "on" } else { "does not fit" });
         match spec.act_dtype() {

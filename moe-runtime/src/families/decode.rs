@@ -145,34 +145,36 @@ impl DecodeFamily {
             smem,
             threads,
         });
-        let resident = match (resident_renders(spec), resident_rows(spec, device.sm_count(), device.max_smem_optin())) {
-            (false, _) => None,
-            (true, None) => {
-                next(); // compiled, not launched here: a block's w2 rows do not fit
-                None
-            }
-            (true, Some(rows)) => {
-                let f = next();
-                let smem = resident_smem_bytes(spec, rows);
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )?;
-                let per_sm =
-                    f.occupancy_max_active_blocks_per_multiprocessor(RESIDENT_WARPS * 32, smem as usize, None)?;
-                (per_sm >= 1)
-                    .then(|| -> Result<ResidentFn> {
-                        Ok(ResidentFn {
-                            f: Kernel::new(f),
-                            rows,
-                            smem,
-                            grid: device.sm_count(),
-                            sync: stream.alloc_zeros::<u32>(2)?,
+        let on_device = (src.arch, device.sm_count(), device.max_smem_optin());
+        let resident =
+            match (resident_renders(spec, src.arch), resident_rows(spec, on_device.0, on_device.1, on_device.2)) {
+                (false, _) => None,
+                (true, None) => {
+                    next(); // compiled, not launched here: a block's w2 rows do not fit
+                    None
+                }
+                (true, Some(rows)) => {
+                    let f = next();
+                    let smem = resident_smem_bytes(spec, rows);
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )?;
+                    let per_sm =
+                        f.occupancy_max_active_blocks_per_multiprocessor(RESIDENT_WARPS * 32, smem as usize, None)?;
+                    (per_sm >= 1)
+                        .then(|| -> Result<ResidentFn> {
+                            Ok(ResidentFn {
+                                f: Kernel::new(f),
+                                rows,
+                                smem,
+                                grid: device.sm_count(),
+                                sync: stream.alloc_zeros::<u32>(2)?,
+                            })
                         })
-                    })
-                    .transpose()?
-            }
-        };
+                        .transpose()?
+                }
+            };
         // The intermediate scratch holds the resident kernel's [top_k, I] f32.
         let kspec = spec.kernel_spec();
         debug_assert!(decode_mid_floats(spec, 1) >= (kspec.top_k() * kspec.intermediate()) as usize);
@@ -220,7 +222,7 @@ impl DecodeFamily {
             names.extend((dt.bulk_gu && gu_smem <= max_smem).then(|| GATE_UP_BULK.to_string()));
             names.extend((dt.bulk_dn && dn_smem <= max_smem).then(|| DOWN_BULK.to_string()));
         }
-        names.extend(resident_renders(spec).then(|| RESIDENT.to_string()));
+        names.extend(resident_renders(spec, src.arch).then(|| RESIDENT.to_string()));
         names
     }
 
@@ -398,8 +400,10 @@ impl DecodeFamily {
                 topk_ids: p.ids,
                 topk_weights: p.weights,
                 w13: p.w13,
+                w13_scales: p.w13_scales,
                 w13_bias: p.w13_bias,
                 w2: p.w2,
+                w2_scales: p.w2_scales,
                 w2_bias: p.w2_bias,
                 mid,
                 y: p.y,
