@@ -158,8 +158,8 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
     __syncthreads();
     if (nrows > 0) {
         mbar_wait(bar, 0);
-        // Task (slot s, 8 rows from 8 q): the slot's intermediate in registers, each row's w2 from
-        // shared memory.
+        // Task (slot s, rows 8 q .. 8 q + 7): the slot's intermediate in registers, each row's w2
+        // from shared memory.
         const int groups = (nrows + 7) / 8;
         for (int task = warp; task < TOP_K * groups; task += RES_WARPS) {
             const int s = task % TOP_K, q = task / TOP_K;
@@ -171,12 +171,12 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
                 const int vi = lane + 32 * c;
                 if (vi >= RES_NV_I) continue;
 #pragma unroll
-                for (int q = 0; q < W_VEC / 4; ++q) {
-                    const float4 m4 = __ldcg(reinterpret_cast<const float4*>(mid + s * INTER + vi * W_VEC) + q);
-                    mv[c][4 * q] = m4.x;
-                    mv[c][4 * q + 1] = m4.y;
-                    mv[c][4 * q + 2] = m4.z;
-                    mv[c][4 * q + 3] = m4.w;
+                for (int f = 0; f < W_VEC / 4; ++f) {
+                    const float4 m4 = __ldcg(reinterpret_cast<const float4*>(mid + s * INTER + vi * W_VEC) + f);
+                    mv[c][4 * f] = m4.x;
+                    mv[c][4 * f + 1] = m4.y;
+                    mv[c][4 * f + 2] = m4.z;
+                    mv[c][4 * f + 3] = m4.w;
                 }
             }
             float v[8];
