@@ -775,6 +775,7 @@ mod tests {
                 "moe_gate_up_bulk" => "BK_GU_THREADS, 1",
                 "moe_down_bulk" => "BK_DN_THREADS, 1",
                 "moe_route" | "moe_expand_routing" => "ROUTE_WARPS * 32",
+                "moe_decode_resident" => "RES_WARPS * 32, 1",
                 _ => "WARPS * 32",
             };
             // One parameter: the kernel's struct from moe_codegen::params.
