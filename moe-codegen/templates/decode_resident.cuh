@@ -30,13 +30,14 @@ __host__ __device__ constexpr int res_smem_bytes(int rows) {
 // The host sizes the launch with resident_smem_bytes: the same at two row counts (both are linear
 // in the rows past the rounding, which 8-row multiples keep whole).
 static_assert(res_smem_bytes(8) == {{ res_smem8 }} && res_smem_bytes(16) == {{ res_smem16 }}, "resident_smem_bytes");
-// One vector of weights (W_VEC, decoded) times W_VEC fp32 activations at a, added to acc.
-__device__ __forceinline__ float res_dot(const uint4 v, const float* a, float acc) {
+// One vector of weights (W_VEC, decoded) times W_VEC fp32 activations staged lane-major (float4
+// q of the vector at a[32 q]), added to acc.
+__device__ __forceinline__ float res_dot(const uint4 v, const float4* a, float acc) {
     float w[W_VEC];
     dequant_vec(v, WScale{}, w);
 #pragma unroll
     for (int q = 0; q < W_VEC / 4; ++q) {
-        const float4 x4 = reinterpret_cast<const float4*>(a)[q];
+        const float4 x4 = a[32 * q];
         acc = fmaf(w[4 * q], x4.x, acc);
         acc = fmaf(w[4 * q + 1], x4.y, acc);
         acc = fmaf(w[4 * q + 2], x4.z, acc);
@@ -72,7 +73,7 @@ __device__ __forceinline__ float res_sum8(float (&v)[8], int lane) {
 }
 // One unit: neuron j of slot s's expert e, its intermediate value (lane 0's is the one kept).
 __device__ __forceinline__ float res_unit(const uint4* __restrict__ w13, const void* __restrict__ w13_scales,
-                                          const float* __restrict__ w13_bias, const float* xs, int e, int j, int lane) {
+                                          const float* __restrict__ w13_bias, const float4* xs, int e, int j, int lane) {
     const long grow = (long)e * 2 * INTER + j, urow = grow + INTER;
     const uint4* g = w13 + grow * (HIDDEN / W_VEC);
     const uint4* up = w13 + urow * (HIDDEN / W_VEC);
@@ -84,7 +85,7 @@ __device__ __forceinline__ float res_unit(const uint4* __restrict__ w13, const v
     float ga = 0.f, ua = 0.f;
 #pragma unroll
     for (int c = 0; c < RES_VPL; ++c) {
-        const float* a = xs + (lane + 32 * c) * W_VEC;
+        const float4* a = xs + c * (W_VEC / 4) * 32 + lane;
         ga = res_dot(gv[c], a, ga);
         ua = res_dot(uv[c], a, ua);
     }
@@ -134,16 +135,21 @@ moe_decode_resident(const __grid_constant__ ResidentParams params) {
                 bulk_load(smem_u32(w2s + s * rows * RES_ROW_BYTES), w2 + ((long)sid[s] * HIDDEN + r0) * RES_NV_I,
                           nrows * RES_ROW_BYTES, bar, policy);
     }
+    // x in fp32, lane-major: float4 k of vector v = 32 c + l at (c W_VEC / 4 + k) 32 + l, so that a
+    // warp's loads of one float4 of its lanes' vectors are conflict-free (a lane's vector side by
+    // side was 2-way conflicted at 8 elements a vector).
+    float4* xs4 = reinterpret_cast<float4*>(xs);
     for (int i = threadIdx.x; i < HIDDEN / 8; i += RES_WARPS * 32) {
         float f[8];
         widen8(reinterpret_cast<const uint4*>(x)[i], static_cast<const act_t*>(nullptr), f);
-        reinterpret_cast<float4*>(xs)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-        reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+        const int v = 8 * i / W_VEC, k = (8 * i - v * W_VEC) / 4;
+        xs4[((v >> 5) * (W_VEC / 4) + k) * 32 + (v & 31)] = make_float4(f[0], f[1], f[2], f[3]);
+        xs4[((v >> 5) * (W_VEC / 4) + k + 1) * 32 + (v & 31)] = make_float4(f[4], f[5], f[6], f[7]);
     }
     __syncthreads();
     for (int u = blockIdx.x + grid * warp; u < TOP_K * INTER; u += grid * RES_WARPS) {
         const int s = u / INTER, e = sid[s];
-        const float v = e >= 0 ? res_unit(w13, w13_scales, w13_bias, xs, e, u % INTER, lane) : 0.f;
+        const float v = e >= 0 ? res_unit(w13, w13_scales, w13_bias, xs4, e, u % INTER, lane) : 0.f;
         if (lane == 0) mid[u] = v;
     }
     // The grid barrier: this block's intermediate values before, every block's after.
