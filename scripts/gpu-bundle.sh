@@ -15,7 +15,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["NAME"]:
         print(m["executable"])'
 }
-for t in ${TESTS:-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_ep gpu_dispatch}; do
+for t in ${TESTS:-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_ep gpu_dispatch gpu_fused}; do
   cp "$(bin $t test --release -p moe-runtime --test $t --no-run | tail -1)" gpu-bundle/$t
 done
 # Tests of the facade crate (the macro's paths are ::moeforge::...).

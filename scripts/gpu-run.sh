@@ -5,7 +5,7 @@ cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/moeforge-out}; mkdir -p "$OUT"
 export MOEFORGE_CACHE_DIR=/tmp/moecache CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} RUST_LOG=warn
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-for t in ${TESTS-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_macro}; do
+for t in ${TESTS-gpu_decode gpu_formats gpu_prefill gpu_layer gpu_interop gpu_macro gpu_dispatch gpu_fused gpu_checkpoint}; do
   echo "=== $t"
   timeout ${TT:-400} ./$t --ignored --nocapture --test-threads=1 ${FILTER:-} 2>&1 | tee -a "$OUT/tests.log" \
     | grep -E "m=1 |m=64|replay 3|bit-exact|test result|panicked|FAILED|error" | tail -60

@@ -105,11 +105,11 @@ fn gpt_oss_checkpoints_run_on_the_gpu() {
         for tokens_m in [1usize, 8, 40] {
             let x = tokens(&mut rng(17 + tokens_m as u64), tokens_m, m.h);
             let (got, family, _) = step(&dev, &l, &x);
-            // bf16 takes the grouped GEMMs (biases in their epilogue and combine) from the prefill
-            // threshold on; MXFP4 (decoded by the grouped loader) only from 128 tokens.
-            let grouped = store == OssStore::Bf16 && tokens_m >= moe_runtime::DEFAULT_PREFILL_THRESHOLD;
-            let want_family = if grouped { KernelFamily::GroupedGemm } else { KernelFamily::WarpDecode };
-            assert_eq!(family, want_family, "{store:?} m={tokens_m}");
+            // Both stores take the grouped GEMMs (biases in their epilogue and combine; MXFP4
+            // decoded in registers) from the prefill threshold on; below it the dispatcher chooses.
+            if tokens_m >= moe_runtime::DEFAULT_PREFILL_THRESHOLD {
+                assert_eq!(family, KernelFamily::GroupedGemm, "{store:?} m={tokens_m}");
+            }
             let got: Vec<f64> = got.into_iter().map(|v| v as f64).collect();
             let (want, _, clamps) = m.reference(&x);
             let rel = rel_l2(&got, &want);
