@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the bundle made by scripts/gpu-bundle.sh: GPU tests, the example,
 # then the decode report (REPORT=0 skips it; SWEEP=1 adds the tile sweep). Logs go to $OUT.
+# On an H200 gpu_formats takes about 5.5 minutes, gpu_prefill and gpu_layer more than 7 each:
+# where a call is limited to 10 minutes, run them one a call (TESTS=gpu_prefill TT=590 EXAMPLE=0 REPORT=0).
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/moeforge-out}; mkdir -p "$OUT"
 export MOEFORGE_CACHE_DIR=/tmp/moecache CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} RUST_LOG=warn
