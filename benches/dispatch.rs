@@ -11,7 +11,11 @@
 //! taken from the first two). `--profile` first fits the models on this device
 //! (`moe_runtime::dispatch::profile`, as `moe-jit profile` does) and dispatches with them; without
 //! it the analytic fallback (or a saved profile) dispatches. `--overhead US` overrides what the
-//! models take device dispatch to cost (0: the device chooses wherever routing can matter). Routing: uniform; skewed
+//! models take device dispatch to cost (0: the device chooses wherever routing can matter).
+//! `--planes D0,DE,DP,G0,GE,GP` dispatches with hand-set models of warp decode and the grouped
+//! GEMMs (c0, per expert, per pair; no fused family), such as `0,0,1,0,2,0`, which leave most
+//! steps of 2 to 15 tokens to the device: the rows then show what choosing there costs
+//! (`chosen_us` against the chosen family's own time). Routing: uniform; skewed
 //! (each token's experts from the first eighth of the experts with probability 0.85); balanced
 //! (token t takes experts t k .. t k + k - 1 modulo E). Rows: `geometry`, `format`, `routing`,
 //! `m`, `chosen`, `chosen_us`, `best`, `best_us`, `regret_pct`, `default_us`, `vs_default_pct`,
@@ -19,7 +23,7 @@
 //! against the copy bandwidth measured in the same run), `model`, device, date.
 
 use moe_runtime::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
-use moe_runtime::dispatch::{DispatchModel, ModelSource};
+use moe_runtime::dispatch::{DispatchModel, LinearCost, ModelSource};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::{self, capture, copy_gbps, time_graph};
 use moe_runtime::{Device, MoeLayer, DEFAULT_PREFILL_THRESHOLD};
@@ -270,10 +274,22 @@ fn main() {
             if let Some(&o) = list::<f32>(&args, "--overhead").as_ref().and_then(|v| v.first()) {
                 model.overhead_us = o;
             }
-            let model_name = match model.source {
+            let mut model_name = match model.source {
                 ModelSource::Profile => "profile",
                 ModelSource::Analytic => "analytic",
             };
+            if let Some(p) = list::<f32>(&args, "--planes") {
+                assert_eq!(p.len(), 6, "--planes takes decode's and the grouped GEMMs' c0, per expert, per pair");
+                let lin = |c: &[f32]| LinearCost { c0: c[0], per_expert: c[1], per_pair: c[2] };
+                model = DispatchModel {
+                    decode: lin(&p[..3]),
+                    grouped: lin(&p[3..]),
+                    fused: None,
+                    one_token: None,
+                    ..model
+                };
+                model_name = "planes";
+            }
             for &m in &ms {
                 let mut y: CudaSlice<Bf> = layer.stream().alloc_zeros(m * h as usize).unwrap();
                 for routing in &routings {

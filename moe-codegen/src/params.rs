@@ -28,6 +28,22 @@ impl TmaDesc {
     pub const UNUSED: TmaDesc = TmaDesc([0; 16]);
 }
 
+/// The dispatcher's cost planes as the device evaluates them: microseconds `c0 + cd * D + cp * P`
+/// for D distinct experts and P valid pairs, `[c0, cd, cp]` per family; the C side's
+/// `DispatchPlanes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DispatchPlanes {
+    /// Warp decode.
+    pub decode: [f32; 3],
+    /// The grouped GEMMs.
+    pub grouped: [f32; 3],
+    /// The fused family (read where `fused_on`).
+    pub fused: [f32; 3],
+    /// Whether the fused family is a candidate (1) or not (0).
+    pub fused_on: i32,
+}
+
 impl std::fmt::Debug for TmaDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("TmaDesc(..)")
@@ -204,6 +220,10 @@ kernel_params! {
         // One block (no grid barrier, counts or sync): the GEMMs' two work counters, zeroed
         // here rather than by a memset before the launch; null otherwise.
         gemm_counters: u64 = "int* __restrict__",
+        // One block of a step the device dispatches: the choice is made here from `planes`
+        // (moe_choose's, in its layout) and written to `choose_into`; null otherwise.
+        planes: DispatchPlanes = "const DispatchPlanes&",
+        choose_into: u64 = "int* __restrict__",
     }
     /// `moe_quant_mid`: the intermediate to e4m3 with one f32 per 128 along K.
     QuantMidParams {
@@ -276,21 +296,11 @@ kernel_params! {
         y: u64 = "act_t* __restrict__",
         choice: u64 = "const int* __restrict__",
     }
-    /// `moe_choose`: the step's family from its live routing (the dispatcher's cost models, one
-    /// per family: microseconds as `c0 + cd * D + cp * P` for D distinct experts and P pairs).
+    /// `moe_choose`: the step's family from its live routing.
     ChooseParams {
         topk_ids: u64 = "const int* __restrict__",
         m: i32 = "int",
-        decode_c0: f32 = "float",
-        decode_cd: f32 = "float",
-        decode_cp: f32 = "float",
-        grouped_c0: f32 = "float",
-        grouped_cd: f32 = "float",
-        grouped_cp: f32 = "float",
-        fused_c0: f32 = "float",
-        fused_cd: f32 = "float",
-        fused_cp: f32 = "float",
-        fused_on: i32 = "int",
+        planes: DispatchPlanes = "const DispatchPlanes&",
         out: u64 = "int* __restrict__",
     }
 }

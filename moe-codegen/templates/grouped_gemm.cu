@@ -104,6 +104,12 @@ constexpr int HOST_PREPARE_SMEM = {{ prepare_smem }};
 struct alignas(64) TmaMap {
     unsigned long long opaque[16];
 };
+// The dispatcher's cost planes (moe_codegen::params::DispatchPlanes), read by moe_choose and by a
+// one-block moe_prepare.
+struct DispatchPlanes {
+    float decode[3], grouped[3], fused[3];  // c0, per distinct expert, per pair (us)
+    int fused_on;
+};
 
 // Every kernel's parameter struct (moe_codegen::params: one declaration for Rust and C).
 {{ params }}
@@ -271,6 +277,7 @@ moe_quant_mid(const __grid_constant__ QuantMidParams params) {
 }
 #endif  // entry moe_quant_mid
 
+{% include "choose.cuh" %}
 {% include "prepare.cuh" %}
 
 // Work item w of a GEMM with nt column blocks -> the row tile of cluster rank `rank`, its column
@@ -1110,5 +1117,3 @@ moe_convert(const __grid_constant__ ConvertParams params) {
     }
 }
 #endif  // entry moe_convert
-
-{% include "choose.cuh" %}

@@ -20,7 +20,8 @@
 // gemm_counters) takes no global atomics and no barrier: the block's counts are the totals, its
 // offsets zero, each warp keeps its token's ids and ranks in registers, and the GEMMs' work
 // counters are zeroed here instead of by a memset node before the launch. At a few tokens the
-// step's front is a chain of memory round trips that GEMM1 waits behind.
+// step's front is a chain of memory round trips that GEMM1 waits behind. Where the device
+// dispatches such a step, this block also makes the dispatcher's choice (choose_into).
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
 static_assert(PREPARE_WARPS * EXPERTS * sizeof(float) == HOST_PREPARE_SMEM, "each warp's scores (prepare_smem_bytes)");
 
@@ -50,7 +51,12 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
     const bool solo = gemm_counters != nullptr;  // one block, a token per warp at most
     if (solo && threadIdx.x < 2) gemm_counters[threadIdx.x] = 0;
-    if (family_skipped(choice, FAMILY_GROUPED)) {
+    // A step the device dispatches whose front is one block chooses here: a launch fewer than
+    // moe_choose ahead of this kernel (the host passes ids, not logits, and no `choice`).
+    const bool skipped = choose_into != nullptr
+                             ? choose_family<ALIGN_THREADS>(topk_ids, m, planes, choose_into) != FAMILY_GROUPED
+                             : family_skipped(choice, FAMILY_GROUPED);
+    if (skipped) {
         // No tiles: the GEMMs that follow find no work.
         if (blockIdx.x == 0 && threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
         return;

@@ -373,7 +373,7 @@ impl MoeLayer {
 
     /// The routing-aware dispatcher's models, or `None` for the fixed threshold. Below the
     /// prefill threshold each step's family is the one the models predict faster for its live
-    /// routing (distinct experts and pairs, counted on the device by `moe_choose`), unless its
+    /// routing (distinct experts and pairs, counted on the device), unless its
     /// token count alone settles it ([`DispatchModel::fixed_choice`]); from the threshold on,
     /// the grouped GEMMs. On by default where the layer has the grouped family, with
     /// [`DispatchModel::analytic`]; a profile fitted on the device ([`DispatchModel::fit`]) does
@@ -890,8 +890,9 @@ impl MoeLayer {
         }
     }
 
-    /// Run the step on `family`, or (`None`) on the family `moe_choose` picks on the device: it
-    /// launches first, then every candidate family, whose kernels return at once unless chosen.
+    /// Run the step on `family`, or (`None`) on the family the device picks: the grouped family's
+    /// first kernel chooses (`moe_prepare` for a step of up to 32 tokens, else `moe_choose`
+    /// ahead of it), then every candidate family runs, whose kernels return at once unless chosen.
     fn launch_family(
         &self,
         stream: &Arc<CudaStream>,
@@ -923,13 +924,11 @@ impl MoeLayer {
                 let model = model.device_menu(m, self.kspec.top_k(), self.kspec.experts());
                 let g = self.grouped_path()?;
                 g.reserve_in(slot, stream, &self.kspec, m, self.deterministic)?;
-                let choice = ptr(&self.choice, &self.stream);
-                g.choose(stream, m, p.ids, &model, choice)?;
-                let p = StepPtrs { choice, ..*p };
-                // One stream: the grouped kernels first, then warp decode's. Run on two streams
-                // (forked and joined) or in the other order, the dispatched steps measured the same
-                // within noise (H100, docs/dispatch.md).
-                g.forward_part(stream, &self.kspec, m, &p, self.deterministic, slot, Part::Whole)?;
+                let p = StepPtrs { choice: ptr(&self.choice, &self.stream), ..*p };
+                // One stream: the grouped kernels first (choosing), then warp decode's. Run on two
+                // streams (forked and joined) or in the other order, the dispatched steps measured
+                // the same within noise (H100, docs/dispatch.md).
+                g.forward_dispatched(stream, &self.kspec, m, &p, &model, self.deterministic, slot)?;
                 self.decode.forward(stream, &self.kspec, m, &p)?;
                 // The fused family where it is on the menu (`set_dispatch_model` keeps its model
                 // only where the layer has it; `device_menu` only where it can win).

@@ -1,6 +1,6 @@
-//! The routing-aware dispatcher on a real GPU: `moe_choose` counts each step's distinct experts and
-//! pairs on the device and picks the family its models predict faster; the other family's kernels
-//! return at once. Ignored without a GPU; each test fails (never passes) when no GPU is found.
+//! The routing-aware dispatcher on a real GPU: the device counts each step's distinct experts and
+//! pairs and picks the family its models predict faster (in `moe_prepare`'s one block for a step
+//! of a few tokens, else in `moe_choose`); the other families' kernels return at once. Ignored without a GPU; each test fails (never passes) when no GPU is found.
 
 use moe_codegen::{KernelFamily, MoeSpec, WeightFormat};
 use moe_runtime::cudarc::driver::CudaSlice;
@@ -105,6 +105,54 @@ fn dispatched_steps_match_the_reference_and_the_host_model() {
         }
         assert!(seen[0] > 0 && seen[1] > 0, "{}: the window's steps took one family only ({seen:?})", spec.id());
     }
+}
+
+/// Above 32 tokens `moe_prepare` runs more than one block and `moe_choose` makes the choice in a
+/// launch of its own: a dispatcher window raised to 64 tokens, 40-token steps spread over most
+/// experts (warp decode) and on 8 (the grouped GEMMs), eager and replayed.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_device_chooses_for_steps_of_several_alignment_blocks() {
+    let dev = gpu();
+    let spec = MoeSpec::builder(2048, 768, 128, 8).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+    layer.set_validate_routing(false);
+    layer.set_prefill_threshold(64);
+    // 320 pairs: decode 320, grouped 4 an expert (least up to 80 experts).
+    let model = DispatchModel {
+        decode: lin(0.0, 0.0, 1.0),
+        grouped: lin(0.0, 4.0, 0.0),
+        fused: None,
+        one_token: None,
+        overhead_us: 0.0,
+        source: ModelSource::Profile,
+    };
+    layer.set_dispatch_model(Some(model));
+    let m = 40;
+    layer.reserve(m).unwrap();
+    assert_eq!(layer.family_for(m), None, "the device chooses");
+    let mut families = Vec::new();
+    for (few, graph) in [(false, false), (true, false), (false, true), (true, true)] {
+        let seed = fresh_seed();
+        let (x, mut ids, rw) = random_step(&spec, m, 0.0, seed);
+        if few {
+            ids = all_on_few(&spec, m);
+        }
+        let got = step(&layer, &x, &ids, &rw, graph);
+        let c = layer.last_choice().unwrap();
+        let (d, p) = counts(&ids, spec.experts());
+        let what = format!("few={few} graph={graph} seed={seed}: {c:?}");
+        assert!(c.on_device, "{what}");
+        assert_eq!((c.distinct, c.pairs), (d, p), "{what}");
+        assert_eq!(c.family, model.choose(d, p), "{what}");
+        let (rel, cos) = compare(&got, &moe_forward(&spec, &w, &x, &ids, &rw));
+        println!("{what}: rel_l2={rel:.3e} cos={cos:.8}");
+        assert!(rel <= 5e-3 && cos >= 0.99999, "{what}: rel_l2 {rel:.3e} cos {cos:.8}");
+        families.push(c.family);
+    }
+    use KernelFamily::{GroupedGemm as G, WarpDecode as D};
+    assert_eq!(families, [D, G, D, G]);
 }
 
 /// Qwen3-30B-A3B bf16 dispatched by `model`, one 8-token step captured once and replayed on

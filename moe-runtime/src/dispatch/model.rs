@@ -1,6 +1,6 @@
 //! The dispatcher's per-family cost models: a step's time as a linear function of what its live
-//! routing touches, evaluated on the device each step (`moe_choose`) and, where the routing cannot
-//! change the answer, on the host.
+//! routing touches, evaluated on the device each step (`moe_prepare` or `moe_choose`) and, where
+//! the routing cannot change the answer, on the host.
 //!
 //! ```text
 //! t(family) = c0 + per_expert * D + per_pair * P      (microseconds)
@@ -17,6 +17,7 @@
 //! to stream at the device's DRAM bandwidth, fitted once on an H200 over the four reference
 //! geometries (docs/dispatch.md).
 
+use moe_codegen::params::DispatchPlanes;
 use moe_codegen::{KernelFamily, MoeSpec};
 
 /// One family's modelled step time: `c0 + per_expert * D + per_pair * P` microseconds.
@@ -63,8 +64,8 @@ pub struct DispatchModel {
     /// `top_k` experts in `top_k` pairs, so there the timings settle the choice and the fitted
     /// planes (whose error is a few percent where two families nearly tie) are not consulted.
     pub one_token: Option<KernelFamily>,
-    /// What choosing on the device costs a step, us: `moe_choose` and the early exits of the
-    /// family not chosen. The host leaves a step's choice to the device only where the models
+    /// What choosing on the device costs a step, us: the choice and the early exits of the
+    /// families not chosen. The host leaves a step's choice to the device only where the models
     /// predict a larger gain than this.
     pub overhead_us: f32,
     /// Where the coefficients came from.
@@ -138,6 +139,17 @@ impl DispatchModel {
             one_token: None,
             overhead_us: DEFAULT_OVERHEAD_US,
             source: ModelSource::Analytic,
+        }
+    }
+
+    /// The planes as the device reads them (`moe_choose`, a one-block `moe_prepare`).
+    pub fn planes(&self) -> DispatchPlanes {
+        let abc = |c: LinearCost| [c.c0, c.per_expert, c.per_pair];
+        DispatchPlanes {
+            decode: abc(self.decode),
+            grouped: abc(self.grouped),
+            fused: self.fused.map_or([0.0; 3], abc),
+            fused_on: self.fused.is_some() as i32,
         }
     }
 

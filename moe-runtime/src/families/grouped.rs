@@ -17,8 +17,8 @@ use moe_codegen::grouped::{
     prepare_smem_bytes, x_per_token, ALIGN_THREADS, CHOOSE_THREADS, ELEMWISE_THREADS, ROUTE_THREADS,
 };
 use moe_codegen::params::{
-    ChooseParams, CombineRowsParams, ConvertParams, Gemm1Params, Gemm2Params, KernelParams, PrepareParams,
-    QuantMidParams, RouteParams, TmaDesc,
+    ChooseParams, CombineRowsParams, ConvertParams, DispatchPlanes, Gemm1Params, Gemm2Params, KernelParams,
+    PrepareParams, QuantMidParams, RouteParams, TmaDesc,
 };
 use moe_codegen::{GemmTiles, KernelSource, MoeSpec};
 use std::sync::{Arc, Mutex};
@@ -279,26 +279,42 @@ impl GroupedPath {
         Ok((ids, w))
     }
 
-    /// The dispatcher's choice for a step of `m` tokens routed by `ids` (`[m, k]` i32), from
-    /// `model`, written to `out` (8 i32: `moe_choose`'s layout) for the families' kernels.
-    pub fn choose(&self, stream: &Arc<CudaStream>, m: usize, ids: u64, model: &DispatchModel, out: u64) -> Result<()> {
-        let p = ChooseParams {
-            topk_ids: ids,
-            m: m as i32,
-            decode_c0: model.decode.c0,
-            decode_cd: model.decode.per_expert,
-            decode_cp: model.decode.per_pair,
-            grouped_c0: model.grouped.c0,
-            grouped_cd: model.grouped.per_expert,
-            grouped_cp: model.grouped.per_pair,
-            fused_c0: model.fused.map_or(0.0, |f| f.c0),
-            fused_cd: model.fused.map_or(0.0, |f| f.per_expert),
-            fused_cp: model.fused.map_or(0.0, |f| f.per_pair),
-            fused_on: model.fused.is_some() as i32,
-            out,
-        };
-        // SAFETY: `ids` holds the step's m * k routing ids (checked by the layer), `out` 8 i32.
-        unsafe { self.fns.choose.launch(stream, (1, CHOOSE_THREADS, 0), true, p) }
+    /// A step the device dispatches: the family is chosen from `model` on the device, written to
+    /// `p.choice` (8 i32: `moe_choose`'s layout), and this family's kernels follow it (the other
+    /// candidates' kernels, launched after these by the caller, read it too). Where the step's
+    /// front is one `moe_prepare` block, that block chooses (one launch fewer); otherwise
+    /// `moe_choose` runs first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_dispatched(
+        &self,
+        stream: &Arc<CudaStream>,
+        spec: &MoeSpec,
+        m: usize,
+        p: &StepPtrs,
+        model: &DispatchModel,
+        deterministic: bool,
+        slot: ScratchSlot,
+    ) -> Result<()> {
+        let planes = model.planes();
+        if self.solo(m) && p.logits == 0 {
+            return self.forward_inner(stream, spec, m, p, deterministic, slot, Part::Whole, Some(planes));
+        }
+        let c = ChooseParams { topk_ids: p.ids, m: m as i32, planes, out: p.choice };
+        // SAFETY: `ids` holds the step's m * k routing ids (checked by the layer), `choice` 8 i32.
+        unsafe { self.fns.choose.launch(stream, (1, CHOOSE_THREADS, 0), true, c)? };
+        self.forward_part(stream, spec, m, p, deterministic, slot, Part::Whole)
+    }
+
+    /// The blocks `moe_prepare` runs for a step of `m` tokens: at most those that fit at once, no
+    /// more than the tokens' warps need.
+    fn prepare_grid(&self, m: usize) -> u32 {
+        let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
+        need.clamp(1, self.prepare_blocks as usize) as u32
+    }
+
+    /// Whether a step of `m` tokens takes `moe_prepare`'s one-block form: a token a warp.
+    fn solo(&self, m: usize) -> bool {
+        m <= (ALIGN_THREADS / 32) as usize && self.prepare_grid(m) == 1
     }
 
     /// One step, `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`, or one part of it,
@@ -315,6 +331,23 @@ impl GroupedPath {
         slot: ScratchSlot,
         part: Part,
     ) -> Result<()> {
+        self.forward_inner(stream, spec, m, p, deterministic, slot, part, None)
+    }
+
+    /// [`GroupedPath::forward_part`]; with `choose`, a one-block `moe_prepare` makes the
+    /// dispatcher's choice into `p.choice` from these planes and the step follows it.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_inner(
+        &self,
+        stream: &Arc<CudaStream>,
+        spec: &MoeSpec,
+        m: usize,
+        p: &StepPtrs,
+        deterministic: bool,
+        slot: ScratchSlot,
+        part: Part,
+        choose: Option<DispatchPlanes>,
+    ) -> Result<()> {
         let mut guard = self.scratch[slot as usize].lock().unwrap_or_else(|p| p.into_inner());
         let s = guard.as_mut().ok_or(RuntimeError::NotReserved { m })?;
         let (h, k) = (spec.hidden() as usize, spec.top_k() as usize);
@@ -329,13 +362,12 @@ impl GroupedPath {
             ptr(&s.tile_span1, stream),
             ptr(&s.num_tiles, stream),
         );
-        // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch: at most
-        // the blocks that fit at once, no more than the tokens' warps need.
-        let need = m.div_ceil((ALIGN_THREADS / 32) as usize);
-        let prepare_grid = need.clamp(1, self.prepare_blocks as usize) as u32;
+        // Routing (from logits), alignment and x's e4m3 copy in one cooperative launch.
+        let prepare_grid = self.prepare_grid(m);
         // A step one block's warps cover (a token each): moe_prepare zeroes the GEMMs' work
         // counters itself and needs no other (no memset node ahead of it).
-        let solo = m <= (ALIGN_THREADS / 32) as usize && prepare_grid == 1;
+        let solo = self.solo(m);
+        debug_assert!(choose.is_none() || (solo && p.logits == 0 && part.runs_front()));
         let (front, gemm2, combine) = (part.runs_front(), part.runs_gemm2(), part.runs_combine());
         let partials = match part {
             Part::Combine(partials) => Some(partials),
@@ -375,8 +407,11 @@ impl GroupedPath {
             tile_span: span,
             tile_span1: span1,
             num_tiles: ntiles,
-            choice: p.choice,
+            // The choice to follow, unless this launch makes it.
+            choice: if choose.is_some() { 0 } else { p.choice },
             gemm_counters: if solo { counters } else { 0 },
+            planes: choose.unwrap_or_default(),
+            choose_into: if choose.is_some() { p.choice } else { 0 },
         };
         // SAFETY (every launch below): the step's pointers were checked against the spec by the
         // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
