@@ -463,4 +463,17 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Gemm1Params, b_map), 128);
         assert_eq!(std::mem::size_of::<Gemm1Params>(), 256);
     }
+
+    #[test]
+    fn the_dispatch_planes_are_one_struct_for_both_choosers() {
+        // Ten 4-byte fields, read in place by moe_choose and moe_prepare alike.
+        assert_eq!((std::mem::size_of::<DispatchPlanes>(), std::mem::align_of::<DispatchPlanes>()), (40, 4));
+        for d in [ChooseParams::c_decl(), PrepareParams::c_decl()] {
+            assert!(d.contains("    DispatchPlanes planes;\n"), "{d}");
+            assert!(d.contains(" const DispatchPlanes& planes = p.planes;"), "{d}");
+            assert!(d.contains("::planes) == 40 && alignof(decltype("), "{d}");
+        }
+        // moe_prepare's fields before the planes are 20 pointers and one int, padded.
+        assert_eq!(std::mem::offset_of!(PrepareParams, planes), 160);
+    }
 }

@@ -348,6 +348,23 @@ mod tests {
     }
 
     #[test]
+    fn the_device_reads_the_models_as_planes() {
+        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
+        let m = DispatchModel {
+            decode: lin(1.0, 2.0, 3.0),
+            grouped: lin(4.0, 5.0, 6.0),
+            fused: Some(lin(7.0, 8.0, 9.0)),
+            one_token: None,
+            overhead_us: 0.0,
+            source: ModelSource::Profile,
+        };
+        let p = m.planes();
+        assert_eq!((p.decode, p.grouped, p.fused, p.fused_on), ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], 1));
+        let p = DispatchModel { fused: None, ..m }.planes();
+        assert_eq!((p.fused, p.fused_on), ([0.0; 3], 0));
+    }
+
+    #[test]
     fn the_fused_family_is_on_the_device_menu_only_where_it_can_win() {
         let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
         // 8 tokens, top-8 of 128: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert, the
