@@ -343,21 +343,22 @@ mod tests {
     use super::*;
     use moe_codegen::WeightFormat;
 
+    fn lin(c0: f32, per_expert: f32, per_pair: f32) -> LinearCost {
+        LinearCost { c0, per_expert, per_pair }
+    }
+
+    /// A profiled model of these planes and device overhead, without a one-token choice.
+    fn profiled(decode: LinearCost, grouped: LinearCost, fused: Option<LinearCost>, overhead_us: f32) -> DispatchModel {
+        DispatchModel { decode, grouped, fused, one_token: None, overhead_us, source: ModelSource::Profile }
+    }
+
     fn qwen(f: WeightFormat) -> MoeSpec {
         MoeSpec::builder(2048, 768, 128, 8).weight_format(f).build().unwrap()
     }
 
     #[test]
     fn the_device_reads_the_models_as_planes() {
-        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
-        let m = DispatchModel {
-            decode: lin(1.0, 2.0, 3.0),
-            grouped: lin(4.0, 5.0, 6.0),
-            fused: Some(lin(7.0, 8.0, 9.0)),
-            one_token: None,
-            overhead_us: 0.0,
-            source: ModelSource::Profile,
-        };
+        let m = profiled(lin(1.0, 2.0, 3.0), lin(4.0, 5.0, 6.0), Some(lin(7.0, 8.0, 9.0)), 0.0);
         let p = m.planes();
         assert_eq!((p.decode, p.grouped, p.fused, p.fused_on), ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], 1));
         let p = DispatchModel { fused: None, ..m }.planes();
@@ -366,17 +367,9 @@ mod tests {
 
     #[test]
     fn the_fused_family_is_on_the_device_menu_only_where_it_can_win() {
-        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
         // 8 tokens, top-8 of 128: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert, the
         // least from 8 to 33 experts.
-        let m = DispatchModel {
-            decode: lin(0.0, 0.0, 0.5),
-            grouped: lin(0.0, 3.0, 0.0),
-            fused: Some(lin(12.0, 0.6, 0.0)),
-            one_token: None,
-            overhead_us: 0.0,
-            source: ModelSource::Profile,
-        };
+        let m = profiled(lin(0.0, 0.0, 0.5), lin(0.0, 3.0, 0.0), Some(lin(12.0, 0.6, 0.0)), 0.0);
         assert_eq!(m.device_menu(8, 8, 128).fused, m.fused);
         // A fused constant above every other prediction: off the menu.
         let slow = DispatchModel { fused: Some(lin(500.0, 0.0, 0.0)), ..m };
@@ -431,15 +424,7 @@ mod tests {
         // distinct. Decode costs 145.5 / 152.5 / 154 us there, grouped 120 / 204 / 222: each is
         // 21% or 44% off the best at one of them, so the device chooses where that costs less
         // than the margin...
-        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
-        let split = DispatchModel {
-            decode: lin(10.0, 0.5, 4.0),
-            grouped: lin(30.0, 6.0, 0.0),
-            fused: None,
-            one_token: None,
-            overhead_us: 0.0,
-            source: ModelSource::Profile,
-        };
+        let split = profiled(lin(10.0, 0.5, 4.0), lin(30.0, 6.0, 0.0), None, 0.0);
         assert_eq!(split.fixed_choice(4, 8, 128), None);
         // ... and the host takes decode (least worst regret) where choosing costs 30 us.
         let costly = DispatchModel { overhead_us: 30.0, ..split };
@@ -448,15 +433,7 @@ mod tests {
 
     #[test]
     fn the_host_takes_the_fused_family_where_no_routing_makes_it_much_worse() {
-        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
-        let model = DispatchModel {
-            decode: lin(10.0, 1.0, 2.0),
-            grouped: lin(30.0, 2.5, 0.0),
-            fused: Some(lin(20.0, 1.6, 0.5)),
-            one_token: None,
-            overhead_us: 8.0,
-            source: ModelSource::Profile,
-        };
+        let model = profiled(lin(10.0, 1.0, 2.0), lin(30.0, 2.5, 0.0), Some(lin(20.0, 1.6, 0.5)), 8.0);
         // 4 tokens: 15 / 29 / 32 experts (hot eighth, uniform, distinct). Decode costs 89 / 103 /
         // 106 us, grouped 67.5 / 102.5 / 110, fused 60 / 82.4 / 87.2: fused is best at all three.
         assert_eq!(model.best(15, 32), KernelFamily::Fused);
@@ -477,7 +454,6 @@ mod tests {
     fn one_token_steps_take_the_family_the_profile_timed_fastest() {
         // Planes that tie at one token (decode 10 + 1.5 * 8 + 1.25 * 8 = 32 against fused
         // 16 + 1 * 8 + 1 * 8 = 32), while the timings put fused 5% ahead.
-        let lin = |c0, per_expert, per_pair| LinearCost { c0, per_expert, per_pair };
         let (dec, grp, fus) = (lin(10.0, 1.5, 1.25), lin(30.0, 2.5, 0.0), lin(16.0, 1.0, 1.0));
         let mut samples = Vec::new();
         for (m, d) in [(1u32, 8u32), (2, 16), (4, 15), (4, 29), (8, 22), (8, 50), (12, 60), (15, 70)] {
