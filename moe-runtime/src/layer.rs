@@ -908,7 +908,7 @@ impl MoeLayer {
                 let g = self.grouped_for(m)?;
                 tracing::debug!(m, tiles = ?g.tiles, "forward: grouped GEMMs");
                 g.reserve_in(slot, stream, &self.kspec, m, self.deterministic)?;
-                g.forward_part(stream, &self.kspec, m, p, self.deterministic, slot, part)
+                g.forward_part(stream, &self.kspec, m, p, self.deterministic, slot, part, None)
             }
             Some(KernelFamily::Fused) => {
                 tracing::debug!(m, "forward: fused");

@@ -297,12 +297,12 @@ impl GroupedPath {
     ) -> Result<()> {
         let planes = model.planes();
         if self.solo(m) && p.logits == 0 {
-            return self.forward_inner(stream, spec, m, p, deterministic, slot, Part::Whole, Some(planes));
+            return self.forward_part(stream, spec, m, p, deterministic, slot, Part::Whole, Some(planes));
         }
         let c = ChooseParams { topk_ids: p.ids, m: m as i32, planes, out: p.choice };
         // SAFETY: `ids` holds the step's m * k routing ids (checked by the layer), `choice` 8 i32.
         unsafe { self.fns.choose.launch(stream, (1, CHOOSE_THREADS, 0), true, c)? };
-        self.forward_part(stream, spec, m, p, deterministic, slot, Part::Whole)
+        self.forward_part(stream, spec, m, p, deterministic, slot, Part::Whole, None)
     }
 
     /// The blocks `moe_prepare` runs for a step of `m` tokens: at most those that fit at once, no
@@ -320,24 +320,11 @@ impl GroupedPath {
     /// One step, `y[m, H] = MoE(x)` for the routing at `p.ids` / `p.weights`, or one part of it,
     /// on one scratch slot. A step's parts follow each other in order on the same slot with the
     /// same `m` and pointers, and nothing on that slot between them.
+    ///
+    /// With `choose` (a step of one `moe_prepare` block that the device dispatches), that block
+    /// makes the dispatcher's choice into `p.choice` from these planes and the step follows it.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_part(
-        &self,
-        stream: &Arc<CudaStream>,
-        spec: &MoeSpec,
-        m: usize,
-        p: &StepPtrs,
-        deterministic: bool,
-        slot: ScratchSlot,
-        part: Part,
-    ) -> Result<()> {
-        self.forward_inner(stream, spec, m, p, deterministic, slot, part, None)
-    }
-
-    /// [`GroupedPath::forward_part`]; with `choose`, a one-block `moe_prepare` makes the
-    /// dispatcher's choice into `p.choice` from these planes and the step follows it.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_inner(
         &self,
         stream: &Arc<CudaStream>,
         spec: &MoeSpec,
