@@ -2,7 +2,8 @@
 //! best family found by timing every candidate in the same run.
 //!
 //! `cargo bench --bench dispatch -- [--report FILE] [--geometries qwen3-30b-a3b,...] [--formats
-//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US] [--decode-max 64] [--isolate]`
+//! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US]
+//! [--planes D0,DE,DP,G0,GE,GP] [--decode-max 64] [--isolate]`
 //!
 //! Each case times, as graph replays of four steps with fresh routing each (so the touched
 //! experts change and weights do not sit in L2 from one step to the next), warp decode alone
@@ -11,7 +12,8 @@
 //! taken from the first two). `--profile` first fits the models on this device
 //! (`moe_runtime::dispatch::profile`, as `moe-jit profile` does) and dispatches with them; without
 //! it the analytic fallback (or a saved profile) dispatches. `--overhead US` overrides what the
-//! models take device dispatch to cost (0: the device chooses wherever routing can matter).
+//! models take device dispatch to cost (0: free; the host still settles a step whose family is
+//! within its margin of the device's at every routing it weighs).
 //! `--planes D0,DE,DP,G0,GE,GP` dispatches with hand-set models of warp decode and the grouped
 //! GEMMs (c0, per expert, per pair; no fused family), such as `0,0,1,0,2,0`, which leave most
 //! steps of 2 to 15 tokens to the device: the rows then show what choosing there costs
