@@ -30,12 +30,12 @@ cp "$(bin cold_start bench --bench cold_start --no-run | tail -1)" gpu-bundle/co
 cp "$(bin caller_owned build --release --example caller_owned | tail -1)" gpu-bundle/caller_owned
 # Expert parallelism (gpu_ep above, ep_ranks, the ep bench) needs a machine with 2+ GPUs.
 cp "$(bin ep_ranks build --release --example ep_ranks | tail -1)" gpu-bundle/ep_ranks
-[ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; du -sh gpu-bundle; exit 0; }
+[ -n "${TESTS_ONLY:-}" ] && { strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh; cp -r scripts/trace gpu-bundle/trace; du -sh gpu-bundle; exit 0; }
 cp "$(bin decode bench --bench decode --no-run | tail -1)" gpu-bundle/decode
 cp "$(bin prefill bench --bench prefill --no-run | tail -1)" gpu-bundle/prefill
 cp "$(bin dispatch bench --bench dispatch --no-run | tail -1)" gpu-bundle/dispatch
 cp "$(bin ep bench --bench ep --no-run | tail -1)" gpu-bundle/ep
 cp "$(bin qwen3_decode build --release --example qwen3_decode | tail -1)" gpu-bundle/qwen3_decode
 cargo build --release -q -p moe-jit && cp target/release/moe-jit gpu-bundle/
-strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh
+strip gpu-bundle/* && cp scripts/gpu-run.sh gpu-bundle/run.sh && cp -r scripts/trace gpu-bundle/trace
 du -sh gpu-bundle
