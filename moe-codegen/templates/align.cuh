@@ -13,39 +13,11 @@
 //                               EXT_SPREAD of them) joins them (Work)
 // Out-of-range ids are skipped and counted in *errors.
 constexpr int ALIGN_THREADS = 1024;
-static_assert(EXPERTS <= ALIGN_THREADS, "one thread scans one expert");
-
-// Exclusive prefix of v over the block's threads, and the block's total (every thread calls it).
-__device__ __forceinline__ int block_exclusive_scan(int v, int& total) {
-    __shared__ int warp_total[ALIGN_THREADS / 32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int u = __shfl_up_sync(MOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += u;
-    }
-    if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_total[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int u = __shfl_up_sync(MOE_FULL_MASK, w, o);
-            if (lane >= o) w += u;
-        }
-        warp_total[lane] = w;  // inclusive
-    }
-    __syncthreads();
-    const int excl = incl - v + (warp > 0 ? warp_total[warp - 1] : 0);
-    total = warp_total[ALIGN_THREADS / 32 - 1];
-    __syncthreads();  // the next scan reuses warp_total
-    return excl;
-}
+static_assert(EXPERTS <= ALIGN_THREADS, "thread e of a block holds expert e's count");
 
 // The tiles' layout from the experts' pair counts, in shared memory: tiles per expert, the hot
 // experts (HOT_TILES tiles or more) first, then the others, each group in expert order (work_item
-// interleaves their items). Every block of moe_prepare builds it (a few block scans) rather than
+// interleaves their items). Every block of moe_prepare builds it (one warp scans) rather than
 // one block building it for the others behind a second grid barrier.
 struct Layout {
     int first_of[EXPERTS], tiles_of[EXPERTS], count_of[EXPERTS];
@@ -55,50 +27,75 @@ struct Layout {
     int first1_of[TAIL > 0 ? EXPERTS : 1], tiles1_of[TAIL > 0 ? EXPERTS : 1], first1_ord[TAIL > 0 ? EXPERTS : 1];
     int total1, hot_total1;
 
-    // Every thread of the block; thread e holds expert e's count.
+    // Every thread of the block; thread e holds expert e's count. One warp scans every expert
+    // (EXPERTS / 32 a lane, in order): two block barriers, where block-wide scans took fifteen
+    // on the step's critical path.
     __device__ __forceinline__ void build(int count) {
+        constexpr int PER = (EXPERTS + 31) / 32;
         const int tid = threadIdx.x;
-        const int tiles = (count + BM - 1) / BM;
-        const bool hot = tiles >= HOT_TILES;
-        int all, hot_all, hot_experts;
-        const int before = block_exclusive_scan(tiles, all);
-        const int hot_before = block_exclusive_scan(hot ? tiles : 0, hot_all);
-        const int hot_rank = block_exclusive_scan(hot ? 1 : 0, hot_experts);
-        if (tid < EXPERTS) {
-            const int first_tile = hot ? hot_before : hot_all + (before - hot_before);
-            first_of[tid] = first_tile;
-            tiles_of[tid] = tiles;
-            count_of[tid] = count;
-            const int ord = hot ? hot_rank : hot_experts + (tid - hot_rank);
-            first_ord[ord] = first_tile;
-            expert_ord[ord] = tid;
-        }
-        if (tid == 0) {
-            total = all;
-            hot_total = hot_all;
-        }
-        if constexpr (TAIL > 0) {
-            // A short last tile of r pairs joins the n tiles before it where r <= TAIL min(n,
-            // EXT_SPREAD) (Work).
-            const int tiles1 = tiles - (tiles >= 2 && count - (tiles - 1) * BM <= TAIL * min(tiles - 1, EXT_SPREAD));
-            int all1, hot_all1;
-            const int before1 = block_exclusive_scan(tiles1, all1);
-            const int hot_before1 = block_exclusive_scan(hot ? tiles1 : 0, hot_all1);
-            if (tid < EXPERTS) {
-                const int first1 = hot ? hot_before1 : hot_all1 + (before1 - hot_before1);
-                first1_of[tid] = first1;
-                tiles1_of[tid] = tiles1;
-                first1_ord[hot ? hot_rank : hot_experts + (tid - hot_rank)] = first1;
+        if (tid < EXPERTS) count_of[tid] = count;
+        __syncthreads();
+        if (tid < 32) {
+            const int e0 = tid * PER;
+            // This lane's sums: tiles, hot tiles, hot experts, GEMM1's tiles and hot tiles.
+            int sum[5] = {0, 0, 0, 0, 0};
+            for (int e = e0; e < e0 + PER && e < EXPERTS; ++e) {
+                const int c = count_of[e], t = (c + BM - 1) / BM, t1 = gemm1_tiles(c, t);
+                const bool hot = t >= HOT_TILES;
+                sum[0] += t;
+                sum[1] += hot ? t : 0;
+                sum[2] += hot;
+                sum[3] += t1;
+                sum[4] += hot ? t1 : 0;
+            }
+            int before[5], all[5];
+#pragma unroll
+            for (int v = 0; v < 5; ++v) {
+                int incl = sum[v];
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int u = __shfl_up_sync(MOE_FULL_MASK, incl, o);
+                    if (tid >= o) incl += u;
+                }
+                before[v] = incl - sum[v];
+                all[v] = __shfl_sync(MOE_FULL_MASK, incl, 31);
+            }
+            for (int e = e0; e < e0 + PER && e < EXPERTS; ++e) {
+                const int c = count_of[e], t = (c + BM - 1) / BM, t1 = gemm1_tiles(c, t);
+                const bool hot = t >= HOT_TILES;
+                const int first = hot ? before[1] : all[1] + (before[0] - before[1]);
+                const int ord = hot ? before[2] : all[2] + (e - before[2]);
+                first_of[e] = first;
+                tiles_of[e] = t;
+                first_ord[ord] = first;
+                expert_ord[ord] = e;
+                if constexpr (TAIL > 0) {
+                    const int first1 = hot ? before[4] : all[4] + (before[3] - before[4]);
+                    first1_of[e] = first1;
+                    tiles1_of[e] = t1;
+                    first1_ord[ord] = first1;
+                }
+                before[0] += t;
+                before[1] += hot ? t : 0;
+                before[2] += hot;
+                before[3] += t1;
+                before[4] += hot ? t1 : 0;
             }
             if (tid == 0) {
-                total1 = all1;
-                hot_total1 = hot_all1;
+                total = all[0];
+                hot_total = all[1];
+                total1 = all[3];
+                hot_total1 = all[4];
             }
-        } else if (tid == 0) {
-            total1 = all;
-            hot_total1 = hot_all;
         }
         __syncthreads();
+    }
+
+    // GEMM1's tiles of an expert with c pairs in t tiles (TAIL): a short last tile of r pairs
+    // joins the n tiles before it where r <= TAIL min(n, EXT_SPREAD) (Work).
+    __device__ __forceinline__ static int gemm1_tiles(int c, int t) {
+        if constexpr (TAIL > 0) return t - (t >= 2 && c - (t - 1) * BM <= TAIL * min(t - 1, EXT_SPREAD));
+        return t;
     }
 
     // The expert of tile j in layout order, given each expert's first tile in that order: the
