@@ -12,6 +12,26 @@ __device__ __forceinline__ float plane_at(const float (&c)[3], float d, float p)
     return __fadd_rn(__fadd_rn(c[0], __fmul_rn(c[1], d)), __fmul_rn(c[2], p));
 }
 
+// The least of the predictions for P valid pairs on D distinct experts; writes `out` (one thread).
+__device__ __forceinline__ int decide_family(int pairs, int distinct, const DispatchPlanes& planes, int* out) {
+    const float p = (float)pairs, d = (float)distinct;
+    const float td = plane_at(planes.decode, d, p);
+    const float tg = plane_at(planes.grouped, d, p);
+    const float tf = plane_at(planes.fused, d, p);
+    int family = FAMILY_WARP_DECODE;
+    float best = td;
+    if (tg < best) family = FAMILY_GROUPED, best = tg;
+    if (planes.fused_on && tf < best) family = FAMILY_FUSED, best = tf;
+    out[0] = family;
+    out[1] = distinct;
+    out[2] = pairs;
+    out[3] = 0;
+    out[4] = __float_as_int(td);
+    out[5] = __float_as_int(tg);
+    out[6] = planes.fused_on ? __float_as_int(tf) : 0;
+    return family;
+}
+
 // The choice for the m * TOP_K ids, by every thread of a block of THREADS (each calls it once,
 // no thread may have returned); thread 0 writes `out`. Returns the family to every thread.
 template <int THREADS>
@@ -36,26 +56,27 @@ __device__ int choose_family(const int* ids, int m, const DispatchPlanes& planes
     for (int i = threadIdx.x; i < WORDS; i += THREADS) distinct += __popc(seen[i]);
     if (distinct) atomicAdd(&totals[1], distinct);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        const float p = (float)totals[0], d = (float)totals[1];
-        const float td = plane_at(planes.decode, d, p);
-        const float tg = plane_at(planes.grouped, d, p);
-        const float tf = plane_at(planes.fused, d, p);
-        int family = FAMILY_WARP_DECODE;
-        float best = td;
-        if (tg < best) family = FAMILY_GROUPED, best = tg;
-        if (planes.fused_on && tf < best) family = FAMILY_FUSED, best = tf;
-        out[0] = family;
-        out[1] = totals[1];
-        out[2] = totals[0];
-        out[3] = 0;
-        out[4] = __float_as_int(td);
-        out[5] = __float_as_int(tg);
-        out[6] = planes.fused_on ? __float_as_int(tf) : 0;
-        totals[2] = family;
-    }
+    if (threadIdx.x == 0) totals[2] = decide_family(totals[0], totals[1], planes, out);
     __syncthreads();
     return totals[2];
+}
+
+// The same choice from a block's per-expert pair counts (moe_prepare's one block, which has
+// counted them), by one warp; every lane gets the family.
+__device__ __forceinline__ int choose_from_counts(const int* counts, const DispatchPlanes& planes, int* out) {
+    int pairs = 0, distinct = 0;
+    for (int e = threadIdx.x % 32; e < EXPERTS; e += 32) {
+        pairs += counts[e];
+        distinct += counts[e] > 0;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        pairs += __shfl_xor_sync(MOE_FULL_MASK, pairs, o);
+        distinct += __shfl_xor_sync(MOE_FULL_MASK, distinct, o);
+    }
+    int family = 0;
+    if (threadIdx.x % 32 == 0) family = decide_family(pairs, distinct, planes, out);
+    return __shfl_sync(MOE_FULL_MASK, family, 0);
 }
 
 // The choice as a kernel of its own (one block), where moe_prepare runs more than one block.

@@ -41,6 +41,20 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned target) {
     __syncthreads();
 }
 
+// Token t's row of x as GEMM1 reads it: e4m3 with its scale (FP8), or paired (X_PAIRED); by a
+// whole warp.
+__device__ __forceinline__ void copy_x(const act_t* __restrict__ x, int t, unsigned char* __restrict__ xq,
+                                       float* __restrict__ xs_token) {
+    if constexpr (FP8) quant_token(x, t, xq, xs_token);
+    if constexpr (X_PAIRED) {
+        // x's row in GEMM1's paired order (x_pair_col), into xq (act_t).
+        const uint4* src = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
+        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<act_t*>(xq) + (long)t * HIDDEN);
+#pragma unroll 4
+        for (int c = threadIdx.x % 32; c < HIDDEN / 8; c += 32) dst[c] = x_pair_chunk(src[c]);
+    }
+}
+
 #if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare)
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
 moe_prepare(const __grid_constant__ PrepareParams params) {
@@ -51,12 +65,11 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
     pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
     const bool solo = gemm_counters != nullptr;  // one block, a token per warp at most
     if (solo && threadIdx.x < 2) gemm_counters[threadIdx.x] = 0;
-    // A step the device dispatches whose front is one block chooses here: a launch fewer than
-    // moe_choose ahead of this kernel (the host passes ids, not logits, and no `choice`).
-    const bool skipped = choose_into != nullptr
-                             ? choose_family<ALIGN_THREADS>(topk_ids, m, planes, choose_into) != FAMILY_GROUPED
-                             : family_skipped(choice, FAMILY_GROUPED);
-    if (skipped) {
+    // A step the device dispatches whose front is one block chooses here, from the pair counts
+    // this block makes anyway: a launch fewer than moe_choose ahead of this kernel, and no
+    // second read of the ids (the host passes ids, not logits, and no `choice`).
+    const bool choose_here = choose_into != nullptr;
+    if (!choose_here && family_skipped(choice, FAMILY_GROUPED)) {
         // No tiles: the GEMMs that follow find no work.
         if (blockIdx.x == 0 && threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
         return;
@@ -88,18 +101,25 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
             }
             bad += !ok;
         }
-        if constexpr (FP8) quant_token(x, t, xq, xs_token);
-        if constexpr (X_PAIRED) {
-            // x's row in GEMM1's paired order (x_pair_col), into xq (act_t).
-            const uint4* src = reinterpret_cast<const uint4*>(x + (long)t * HIDDEN);
-            uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<act_t*>(xq) + (long)t * HIDDEN);
-#pragma unroll 4
-            for (int c = lane; c < HIDDEN / 8; c += 32) dst[c] = x_pair_chunk(src[c]);
-        }
+        if (!choose_here) copy_x(x, t, xq, xs_token);
         __syncwarp();  // the next token's scores overwrite this one's
     }
-    if (bad) atomicAdd(errors, bad);
     __syncthreads();
+    if (choose_here) {
+        __shared__ int chosen;
+        if (warp == 0) {
+            const int family = choose_from_counts(block_pairs, planes, choose_into);
+            if (lane == 0) chosen = family;
+        }
+        __syncthreads();
+        if (chosen != FAMILY_GROUPED) {
+            // No tiles, and no errors counted: the chosen family counts the step's bad ids.
+            if (threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
+            return;
+        }
+        if (warp < m) copy_x(x, warp, xq, xs_token);  // one block, a token a warp
+    }
+    if (bad) atomicAdd(errors, bad);
     if (solo) {
         // 2. as below, from this block's counts.
         layout.build(threadIdx.x < EXPERTS ? block_pairs[threadIdx.x] : 0);
