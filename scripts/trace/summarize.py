@@ -4,6 +4,7 @@
 and gap after the previous kernel's end, in microseconds."""
 import argparse
 import csv
+import signal
 import statistics
 from collections import defaultdict
 
@@ -12,6 +13,7 @@ ap.add_argument("csv")
 ap.add_argument("--min-launches", type=int, default=5)
 ap.add_argument("--skip", type=int, default=2, help="launches of each graph dropped as warm-up")
 args = ap.parse_args()
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head or grep -m
 
 launches = defaultdict(list)  # (graph, corr) -> rows
 for r in csv.DictReader(open(args.csv)):
