@@ -721,11 +721,12 @@ pub fn render_grouped(spec: &MoeSpec, arch: Arch, tiles: GemmTiles) -> Result<Ke
 }
 
 /// The entry points of a grouped module, in this order (the runtime loads them by it): router,
-/// alignment, intermediate quantizer, GEMM1, GEMM2 (atomic and row-store), row combine, convert,
-/// and the dispatcher's family choice.
-pub const ENTRY_POINTS: [&str; 9] = [
+/// alignment (any step, and a one-block step whose ids are given), intermediate quantizer, GEMM1,
+/// GEMM2 (atomic and row-store), row combine, convert, and the dispatcher's family choice.
+pub const ENTRY_POINTS: [&str; 10] = [
     "moe_route",
     "moe_prepare",
+    "moe_prepare_solo",
     "moe_quant_mid",
     "moe_gemm1",
     "moe_gemm2_atomic",

@@ -21,7 +21,9 @@
 // offsets zero, each warp keeps its token's ids and ranks in registers, and the GEMMs' work
 // counters are zeroed here instead of by a memset node before the launch. At a few tokens the
 // step's front is a chain of memory round trips that GEMM1 waits behind. Where the device
-// dispatches such a step, this block also makes the dispatcher's choice (choose_into).
+// dispatches such a step, this block also makes the dispatcher's choice (choose_into). Where its
+// ids are given (no logits), the host launches `moe_prepare_solo`: the same block without the
+// router and the multi-block path.
 constexpr int PREPARE_WARPS = ALIGN_THREADS / 32;
 static_assert(PREPARE_WARPS * EXPERTS * sizeof(float) == HOST_PREPARE_SMEM, "each warp's scores (prepare_smem_bytes)");
 
@@ -55,15 +57,19 @@ __device__ __forceinline__ void copy_x(const act_t* __restrict__ x, int t, unsig
     }
 }
 
-#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare)
-extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_prepare(const __grid_constant__ PrepareParams params) {
+// The kernel's body. SOLO_IDS: one block and the ids given (`moe_prepare_solo`), so neither the
+// router nor the multi-block path is compiled in. That entry is a third of `moe_prepare`'s code,
+// and the code of the kernels a step launches is what its GEMMs' speed was found to depend on:
+// with the full entry's 57 KB (Qwen3-30B-A3B bf16) a dispatched step's GEMM1 ran up to a fifth
+// slower (docs/dispatch.md, "The code a step launches").
+template <bool SOLO_IDS>
+__device__ __forceinline__ void prepare_step(const PrepareParams& params) {
     MOE_UNPACK_PrepareParams(params);
     __shared__ int block_pairs[EXPERTS];  // this block's pairs per expert, then its offset in each
     __shared__ Layout layout;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     pdl_launch_dependents();  // GEMM1 may take the SMs this grid leaves free and wait there
-    const bool solo = gemm_counters != nullptr;  // one block, a token per warp at most
+    const bool solo = SOLO_IDS || gemm_counters != nullptr;  // one block, a token per warp at most
     if (solo && threadIdx.x < 2) gemm_counters[threadIdx.x] = 0;
     // A step the device dispatches whose front is one block chooses here, from the pair counts
     // this block makes anyway: a launch fewer than moe_choose ahead of this kernel, and no
@@ -87,7 +93,7 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
                          "r"((int)(HIDDEN * sizeof(act_t)))
                          : "memory");
         int id = -1;
-        if (logits) id = route_token(logits, bias, t, scores, topk_ids, topk_weights);
+        if (!SOLO_IDS && logits) id = route_token(logits, bias, t, scores, topk_ids, topk_weights);
         else if (lane < TOP_K) id = topk_ids[t * TOP_K + lane];
         if (lane < TOP_K) {
             const bool ok = id >= 0 && id < EXPERTS;
@@ -101,7 +107,7 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
             }
             bad += !ok;
         }
-        if (!choose_here) copy_x(x, t, xq, xs_token);
+        if (!solo) copy_x(x, t, xq, xs_token);
         __syncwarp();  // the next token's scores overwrite this one's
     }
     __syncthreads();
@@ -117,8 +123,10 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
             if (threadIdx.x < 4) num_tiles[threadIdx.x] = 0;
             return;
         }
-        if (warp < m) copy_x(x, warp, xq, xs_token);  // one block, a token a warp
     }
+    // One block copies x once the grouped GEMMs are known to run, a token a warp (one call site:
+    // fp8's quantizer is large code).
+    if (solo && warp < m) copy_x(x, warp, xq, xs_token);
     if (bad) atomicAdd(errors, bad);
     if (solo) {
         // 2. as below, from this block's counts.
@@ -134,23 +142,38 @@ moe_prepare(const __grid_constant__ PrepareParams params) {
         }
         return;
     }
-    for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
-        if (block_pairs[e]) block_pairs[e] = atomicAdd(&counts[e], block_pairs[e]);
-    grid_barrier(sync, gridDim.x);
-    // 2. The layout, this block's share of its map and padding, and each pair's row.
-    layout.build(threadIdx.x < EXPERTS ? __ldcg(counts + threadIdx.x) : 0);
-    layout.write(blockIdx.x * ALIGN_THREADS + threadIdx.x, gridDim.x * ALIGN_THREADS, sorted_rows, tile_expert,
-                 tile_span, tile_span1, num_tiles);
-    for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
-        if (lane >= TOP_K) continue;
-        const int p = t * TOP_K + lane;
-        const int rank = pair_pos[p];  // this thread's own write
-        if (rank < 0) continue;
-        const int e = __ldcg(topk_ids + p);
-        const int pos = layout.first_of[e] * BM + block_pairs[e] + rank;
-        sorted_rows[pos] = p;
-        pair_pos[p] = pos;
-        if (X_PER_ROW) xs_row[pos] = __ldcg(xs_token + t);
+    if constexpr (!SOLO_IDS) {
+        for (int e = threadIdx.x; e < EXPERTS; e += ALIGN_THREADS)
+            if (block_pairs[e]) block_pairs[e] = atomicAdd(&counts[e], block_pairs[e]);
+        grid_barrier(sync, gridDim.x);
+        // 2. The layout, this block's share of its map and padding, and each pair's row.
+        layout.build(threadIdx.x < EXPERTS ? __ldcg(counts + threadIdx.x) : 0);
+        layout.write(blockIdx.x * ALIGN_THREADS + threadIdx.x, gridDim.x * ALIGN_THREADS, sorted_rows, tile_expert,
+                     tile_span, tile_span1, num_tiles);
+        for (int t = blockIdx.x * PREPARE_WARPS + warp; t < m; t += gridDim.x * PREPARE_WARPS) {
+            if (lane >= TOP_K) continue;
+            const int p = t * TOP_K + lane;
+            const int rank = pair_pos[p];  // this thread's own write
+            if (rank < 0) continue;
+            const int e = __ldcg(topk_ids + p);
+            const int pos = layout.first_of[e] * BM + block_pairs[e] + rank;
+            sorted_rows[pos] = p;
+            pair_pos[p] = pos;
+            if (X_PER_ROW) xs_row[pos] = __ldcg(xs_token + t);
+        }
     }
 }
+
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare)
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+moe_prepare(const __grid_constant__ PrepareParams params) {
+    prepare_step<false>(params);
+}
 #endif  // entry moe_prepare
+// A step of one block whose ids are given (gemm_counters set, logits null); no dynamic shared memory.
+#if !defined(MOE_ONLY) || defined(MOE_ONLY_moe_prepare_solo)
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
+moe_prepare_solo(const __grid_constant__ PrepareParams params) {
+    prepare_step<true>(params);
+}
+#endif  // entry moe_prepare_solo

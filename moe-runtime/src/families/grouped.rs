@@ -51,6 +51,9 @@ pub struct Alignment {
 struct Fns {
     route: Kernel<RouteParams>,
     prepare: Kernel<PrepareParams>,
+    /// `moe_prepare` without the router and the multi-block path: a one-block step whose ids are
+    /// given. The code a step launches costs its GEMMs time (docs/dispatch.md).
+    prepare_solo: Kernel<PrepareParams>,
     quant_mid: Kernel<QuantMidParams>,
     gemm1: Kernel<Gemm1Params>,
     gemm2_atomic: Kernel<Gemm2Params>,
@@ -124,11 +127,12 @@ pub(crate) struct GroupedPath {
 impl GroupedPath {
     pub fn with_source(device: &Device, spec: &MoeSpec, tiles: GemmTiles, src: &KernelSource) -> Result<GroupedPath> {
         // Every kernel its own module, compiled in parallel; in the order ENTRY_POINTS lists them.
-        let [route, prepare, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert, choose]: [CudaFunction;
-            9] = device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
+        let [route, prepare, prepare_solo, quant_mid, gemm1, gemm2_atomic, gemm2_rows, combine_rows, convert, choose]: [CudaFunction;
+            10] = device.functions(src, &moe_codegen::grouped::ENTRY_POINTS)?.try_into().expect("one function per name");
         let fns = Fns {
             route: Kernel::new(route),
             prepare: Kernel::new(prepare),
+            prepare_solo: Kernel::new(prepare_solo),
             quant_mid: Kernel::new(quant_mid),
             gemm1: Kernel::new(gemm1),
             gemm2_atomic: Kernel::new(gemm2_atomic),
@@ -402,7 +406,10 @@ impl GroupedPath {
         };
         // SAFETY (every launch below): the step's pointers were checked against the spec by the
         // layer; the scratch is reserved for this step (its tile bounds, `max_tiles`).
-        if front {
+        if front && solo && p.logits == 0 {
+            // One block, no router: no dynamic shared memory (it holds the router's scores).
+            unsafe { self.fns.prepare_solo.launch_with(stream, (1, ALIGN_THREADS, 0), cooperative_attrs(), prepare)? };
+        } else if front {
             let dims = (prepare_grid, ALIGN_THREADS, self.prepare_smem);
             unsafe { self.fns.prepare.launch_with(stream, dims, cooperative_attrs(), prepare)? };
         }
