@@ -170,7 +170,17 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* v) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = (float)e[i];
 }
-__device__ __forceinline__ void load8(const act_t* p, float* v) { unpack8(*reinterpret_cast<const uint4*>(p), v); }
+// 16 bytes of global memory in one load. Dereferenced in place, as a reference into unpack8, the
+// uint4 became eight 2-byte loads (its halves are what is read).
+__device__ __forceinline__ uint4 ld16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p)
+                 : "memory");
+    return r;
+}
+__device__ __forceinline__ void load8(const act_t* p, float* v) { unpack8(ld16(p), v); }
 // The e4m3 scale (amax / 448) of the 128 values a half warp holds, 8 per live lane in v; every
 // lane of the warp calls it (the shuffles).
 __device__ __forceinline__ float half_warp_scale(const float* v, bool live) {
@@ -241,7 +251,7 @@ __device__ __forceinline__ void quant_token(const act_t* __restrict__ x, long t,
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int c = lane + 32 * (j0 + j);
-                if (j0 + j < CHUNKS && c < HIDDEN / 8) raw[j] = *reinterpret_cast<const uint4*>(row + 8 * c);
+                if (j0 + j < CHUNKS && c < HIDDEN / 8) raw[j] = ld16(row + 8 * c);
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
