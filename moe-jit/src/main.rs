@@ -9,7 +9,7 @@ use moe_codegen::{
     DequantVariant, GemmTiles, KernelFamily, MoeSpec, SpecError, WeightFormat,
 };
 use moe_runtime::cache::{default_dir, Outcome};
-use moe_runtime::jit::{cubin_entry_points, reference_variants, resource_report};
+use moe_runtime::jit::{cubin_code_sizes, cubin_entry_points, reference_variants, resource_report};
 use moe_runtime::{compile, toolkit::toolkit, CompileOptions, DiskCache};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -83,8 +83,8 @@ enum Cmd {
         /// Print the modules the selection renders, per arch, and compile nothing.
         #[arg(long)]
         list: bool,
-        /// Print the ptxas register / spill report of every entry point (compiles every module:
-        /// the cache keeps no log).
+        /// Print the ptxas register / spill report and the machine code's size of every entry
+        /// point (compiles every module: the cache keeps no log).
         #[arg(long)]
         resources: bool,
         /// Write each CUBIN and its source into this folder (for nvdisasm / cuobjdump).
@@ -608,8 +608,12 @@ fn check(archs: &[Arch], list: &[(&'static str, MoeSpec, KernelFamily)], opts: &
             }
         }
         if let (true, Some(log)) = (resources, log) {
+            let code = cubin_code_sizes(&cubin).unwrap_or_default();
             for (f, regs, spill, stack) in resource_report(&log) {
-                line += &format!("\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack");
+                let bytes = code.iter().find(|(k, _)| *k == f).map_or(0, |&(_, b)| b);
+                line += &format!(
+                    "\n        {f:<20} {regs:>3} regs  {spill:>4} B spill  {stack:>4} B stack  {bytes:>6} B code"
+                );
             }
             // ptxas warnings and performance notes, e.g. wgmma serialized (C7518).
             for w in log.lines().filter(|l| l.contains("warning") || l.contains("Performance Loss")) {

@@ -205,6 +205,72 @@ pub fn reference_variants() -> Vec<(&'static str, MoeSpec, KernelFamily)> {
     out
 }
 
+/// A 64-bit little-endian ELF image's section headers, read in place.
+struct Elf<'a> {
+    image: &'a [u8],
+}
+
+/// One section header: its name's offset in the section-name table, type, and the bytes it spans.
+struct Section {
+    name: usize,
+    kind: u32,
+    offset: usize,
+    size: usize,
+    link: usize,
+    entry_size: usize,
+}
+
+type ElfResult<T> = std::result::Result<T, String>;
+
+impl<'a> Elf<'a> {
+    fn new(image: &'a [u8]) -> ElfResult<Self> {
+        if !image.starts_with(b"\x7fELF\x02\x01") {
+            return Err("not a 64-bit little-endian ELF image".into());
+        }
+        Ok(Elf { image })
+    }
+
+    fn bytes(&self, at: usize, n: usize) -> ElfResult<&'a [u8]> {
+        self.image.get(at..at + n).ok_or_else(|| format!("ELF image cut short at {at}"))
+    }
+
+    fn u16_at(&self, at: usize) -> ElfResult<usize> {
+        Ok(u16::from_le_bytes(self.bytes(at, 2)?.try_into().expect("2 bytes")) as usize)
+    }
+
+    fn u32_at(&self, at: usize) -> ElfResult<u32> {
+        Ok(u32::from_le_bytes(self.bytes(at, 4)?.try_into().expect("4 bytes")))
+    }
+
+    fn u64_at(&self, at: usize) -> ElfResult<usize> {
+        Ok(u64::from_le_bytes(self.bytes(at, 8)?.try_into().expect("8 bytes")) as usize)
+    }
+
+    /// Section header `i`.
+    fn section(&self, i: usize) -> ElfResult<Section> {
+        let at = self.u64_at(0x28)? + i * self.u16_at(0x3a)?;
+        Ok(Section {
+            name: self.u32_at(at)? as usize,
+            kind: self.u32_at(at + 4)?,
+            offset: self.u64_at(at + 24)?,
+            size: self.u64_at(at + 32)?,
+            link: self.u32_at(at + 40)? as usize,
+            entry_size: self.u64_at(at + 56)?,
+        })
+    }
+
+    fn sections(&self) -> ElfResult<Vec<Section>> {
+        (0..self.u16_at(0x3c)?).map(|i| self.section(i)).collect()
+    }
+
+    /// The NUL-terminated string at `at` of string-table section `table`.
+    fn string(&self, table: &Section, at: usize) -> ElfResult<String> {
+        let tail = self.bytes(table.offset, table.size)?.get(at..).ok_or("a name outside its string table")?;
+        let end = tail.iter().position(|&c| c == 0).ok_or("an unterminated name")?;
+        Ok(String::from_utf8_lossy(&tail[..end]).into_owned())
+    }
+}
+
 /// The kernels a CUBIN defines: the ELF symbols of type FUNC marked as CUDA entry points
 /// (`STO_CUDA_ENTRY` in `st_other`), sorted. `Err` when the bytes are no 64-bit little-endian ELF
 /// image with a symbol table.
@@ -212,35 +278,16 @@ pub fn cubin_entry_points(cubin: &[u8]) -> std::result::Result<Vec<String>, Stri
     const STO_CUDA_ENTRY: u8 = 0x10;
     const SHT_SYMTAB: u32 = 2;
     const STT_FUNC: u8 = 2;
-    let bytes = |at: usize, n: usize| cubin.get(at..at + n).ok_or_else(|| format!("ELF image cut short at {at}"));
-    let u16_at = |at| bytes(at, 2).map(|b| u16::from_le_bytes(b.try_into().expect("2 bytes")) as usize);
-    let u32_at = |at| bytes(at, 4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
-    let u64_at = |at| bytes(at, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
-    if !cubin.starts_with(b"\x7fELF\x02\x01") {
-        return Err("not a 64-bit little-endian ELF image".into());
-    }
-    let (shoff, shentsize, shnum) = (u64_at(0x28)?, u16_at(0x3a)?, u16_at(0x3c)?);
-    let section = |i: usize| -> std::result::Result<(u32, usize, usize, usize, usize), String> {
-        let at = shoff + i * shentsize;
-        // (type, offset, size, link, entry size)
-        Ok((u32_at(at + 4)?, u64_at(at + 24)?, u64_at(at + 32)?, u32_at(at + 40)? as usize, u64_at(at + 56)?))
-    };
+    let elf = Elf::new(cubin)?;
     let mut names = Vec::new();
     let mut found_symtab = false;
-    for i in 0..shnum {
-        let (kind, off, size, link, entsize) = section(i)?;
-        if kind != SHT_SYMTAB {
-            continue;
-        }
+    for sym in elf.sections()?.iter().filter(|s| s.kind == SHT_SYMTAB) {
         found_symtab = true;
-        let (_, str_off, str_size, _, _) = section(link)?;
-        let strtab = bytes(str_off, str_size)?;
-        for s in (0..size / entsize.max(1)).map(|j| off + j * entsize) {
-            let (name, info, other) = (u32_at(s)? as usize, bytes(s + 4, 1)?[0], bytes(s + 5, 1)?[0]);
+        let strtab = elf.section(sym.link)?;
+        for at in (0..sym.size / sym.entry_size.max(1)).map(|j| sym.offset + j * sym.entry_size) {
+            let (name, info, other) = (elf.u32_at(at)? as usize, elf.bytes(at + 4, 1)?[0], elf.bytes(at + 5, 1)?[0]);
             if info & 0xf == STT_FUNC && other & STO_CUDA_ENTRY != 0 {
-                let tail = strtab.get(name..).ok_or("symbol name outside the string table")?;
-                let end = tail.iter().position(|&c| c == 0).ok_or("unterminated symbol name")?;
-                names.push(String::from_utf8_lossy(&tail[..end]).into_owned());
+                names.push(elf.string(&strtab, name)?);
             }
         }
     }
@@ -249,6 +296,22 @@ pub fn cubin_entry_points(cubin: &[u8]) -> std::result::Result<Vec<String>, Stri
     }
     names.sort();
     Ok(names)
+}
+
+/// Each kernel's machine code in a CUBIN, in bytes (its `.text.<name>` section), sorted by name.
+/// The code a step launches is a cost of its own: a step that launched more of it ran its GEMMs
+/// slower (docs/dispatch.md, "The code a step launches").
+pub fn cubin_code_sizes(cubin: &[u8]) -> std::result::Result<Vec<(String, usize)>, String> {
+    let elf = Elf::new(cubin)?;
+    let names = elf.section(elf.u16_at(0x3e)?)?;
+    let mut sizes = Vec::new();
+    for s in elf.sections()? {
+        if let Some(kernel) = elf.string(&names, s.name)?.strip_prefix(".text.") {
+            sizes.push((kernel.to_string(), s.size));
+        }
+    }
+    sizes.sort();
+    Ok(sizes)
 }
 
 #[cfg(test)]

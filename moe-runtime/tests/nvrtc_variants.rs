@@ -6,7 +6,7 @@
 
 use moe_codegen::{render, variants, Arch, CodegenError, KernelSource, REFERENCE_GEOMETRIES};
 use moe_runtime::cache::{DiskCache, Outcome};
-use moe_runtime::jit::{cubin_entry_points, reference_variants};
+use moe_runtime::jit::{cubin_code_sizes, cubin_entry_points, reference_variants};
 use moe_runtime::toolkit::toolkit;
 use moe_runtime::CompileOptions;
 use std::collections::{HashMap, HashSet};
@@ -83,6 +83,14 @@ fn every_variant_compiles_for_every_arch() {
                     Ok(got) if got == want => {}
                     got => failures.push(format!("{} {}: kernels {got:?}, expected {want:?}", src.name, src.arch)),
                 }
+                // ... each with a code section of its own, of whole 16-byte instructions.
+                let code = cubin_code_sizes(cubin).unwrap_or_default();
+                for entry in &want {
+                    match code.iter().find(|(k, _)| k == entry) {
+                        Some(&(_, b)) if b > 0 && b % 16 == 0 => {}
+                        c => failures.push(format!("{} {} {entry}: code section {c:?}", src.name, src.arch)),
+                    }
+                }
             }
             Err(e) => failures.push(format!("{} {}: {e}", src.name, src.arch)),
         }
@@ -103,6 +111,8 @@ fn every_variant_compiles_for_every_arch() {
 fn entry_points_of_what_is_no_cubin_are_an_error() {
     assert!(cubin_entry_points(b"not an ELF image").is_err());
     assert!(cubin_entry_points(b"\x7fELF\x02\x01\x01").is_err(), "a header cut short");
+    assert!(cubin_code_sizes(b"not an ELF image").is_err());
+    assert!(cubin_code_sizes(b"\x7fELF\x02\x01\x01").is_err(), "a header cut short");
 }
 
 /// The warp-specialised grouped GEMMs' options that are not defaults (so not among the variants
