@@ -78,7 +78,8 @@ pub struct DispatchModel {
 /// H100 report this margin left no case more than 2% slower than the fixed threshold.
 pub const DEVICE_MARGIN: f32 = 0.1;
 
-/// Device dispatch's cost where no profile measured it, us (H200, docs/dispatch.md: 4 to 14).
+/// Device dispatch's cost where no profile measured it, us (H200, docs/dispatch.md: 4 to 14, and
+/// 3.4 to 6 since the one-block front lost its unused code; not re-fitted to that).
 pub const DEFAULT_OVERHEAD_US: f32 = 8.0;
 
 /// A timed step a profile fits from.
