@@ -231,7 +231,7 @@ impl<'a> Elf<'a> {
     }
 
     fn bytes(&self, at: usize, n: usize) -> ElfResult<&'a [u8]> {
-        self.image.get(at..at + n).ok_or_else(|| format!("ELF image cut short at {at}"))
+        at.checked_add(n).and_then(|end| self.image.get(at..end)).ok_or_else(|| format!("ELF image cut short at {at}"))
     }
 
     fn u16_at(&self, at: usize) -> ElfResult<usize> {
@@ -248,7 +248,10 @@ impl<'a> Elf<'a> {
 
     /// Section header `i`.
     fn section(&self, i: usize) -> ElfResult<Section> {
-        let at = self.u64_at(0x28)? + i * self.u16_at(0x3a)?;
+        let at = i
+            .checked_mul(self.u16_at(0x3a)?)
+            .and_then(|o| o.checked_add(self.u64_at(0x28).ok()?))
+            .ok_or("a section header past the address space")?;
         Ok(Section {
             name: self.u32_at(at)? as usize,
             kind: self.u32_at(at + 4)?,
@@ -284,7 +287,11 @@ pub fn cubin_entry_points(cubin: &[u8]) -> std::result::Result<Vec<String>, Stri
     for sym in elf.sections()?.iter().filter(|s| s.kind == SHT_SYMTAB) {
         found_symtab = true;
         let strtab = elf.section(sym.link)?;
-        for at in (0..sym.size / sym.entry_size.max(1)).map(|j| sym.offset + j * sym.entry_size) {
+        for j in 0..sym.size / sym.entry_size.max(1) {
+            let at = j
+                .checked_mul(sym.entry_size)
+                .and_then(|o| o.checked_add(sym.offset))
+                .ok_or("a symbol past the address space")?;
             let (name, info, other) = (elf.u32_at(at)? as usize, elf.bytes(at + 4, 1)?[0], elf.bytes(at + 5, 1)?[0]);
             if info & 0xf == STT_FUNC && other & STO_CUDA_ENTRY != 0 {
                 names.push(elf.string(&strtab, name)?);
@@ -327,6 +334,23 @@ mod tests {
         assert!(ex.contains("    2 | b"));
         assert!(ex.contains("    6 | f"));
         assert!(offending_lines(src, "fatal", "k.cu").contains("names no source line"));
+    }
+
+    #[test]
+    fn corrupt_section_headers_are_errors_not_panics() {
+        // A 64-byte ELF header whose section table lies past the address space or the image.
+        let header = |shoff: u64, shentsize: u16, shnum: u16| {
+            let mut h = vec![0u8; 64];
+            h[..6].copy_from_slice(b"\x7fELF\x02\x01");
+            h[0x28..0x30].copy_from_slice(&shoff.to_le_bytes());
+            h[0x3a..0x3c].copy_from_slice(&shentsize.to_le_bytes());
+            h[0x3c..0x3e].copy_from_slice(&shnum.to_le_bytes());
+            h
+        };
+        for h in [header(u64::MAX - 8, 64, 3), header(1 << 40, 64, 3), header(0, u16::MAX, u16::MAX)] {
+            assert!(cubin_code_sizes(&h).is_err());
+            assert!(cubin_entry_points(&h).is_err());
+        }
     }
 
     #[test]
