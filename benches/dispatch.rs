@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench dispatch -- [--report FILE] [--geometries qwen3-30b-a3b,...] [--formats
 //! bf16,...] [--ms 1,2,4,...] [--routings uniform,skewed,balanced] [--profile] [--overhead US]
-//! [--planes D0,DE,DP,G0,GE,GP] [--decode-max 64] [--isolate]`
+//! [--planes D0,DE,DP,G0,GE,GP[,F0,FE,FP]] [--decode-max 64] [--isolate]`
 //!
 //! Each case times, as graph replays of four steps with fresh routing each (so the touched
 //! experts change and weights do not sit in L2 from one step to the next), warp decode alone
@@ -17,7 +17,9 @@
 //! `--planes D0,DE,DP,G0,GE,GP` dispatches with hand-set models of warp decode and the grouped
 //! GEMMs (c0, per expert, per pair; no fused family), such as `0,0,1,0,2,0`, which leave most
 //! steps of 2 to 15 tokens to the device: the rows then show what choosing there costs
-//! (`chosen_us` against the chosen family's own time). Routing: uniform; skewed
+//! (`chosen_us` against the chosen family's own time). Three more numbers model the fused family
+//! too: `0,1,0.45` puts it on the device's menu (it wins where a step's distinct experts are 45 to
+//! 55% of its pairs) without taking most steps. Routing: uniform; skewed
 //! (each token's experts from the first eighth of the experts with probability 0.85); balanced
 //! (token t takes experts t k .. t k + k - 1 modulo E). Rows: `geometry`, `format`, `routing`,
 //! `m`, `chosen`, `chosen_us`, `best`, `best_us`, `regret_pct`, `default_us`, `vs_default_pct`,
@@ -281,12 +283,15 @@ fn main() {
                 ModelSource::Analytic => "analytic",
             };
             if let Some(p) = list::<f32>(&args, "--planes") {
-                assert_eq!(p.len(), 6, "--planes takes decode's and the grouped GEMMs' c0, per expert, per pair");
+                assert!(
+                    matches!(p.len(), 6 | 9),
+                    "--planes takes decode's, the grouped GEMMs' and optionally the fused family's c0, per expert, per pair"
+                );
                 let lin = |c: &[f32]| LinearCost { c0: c[0], per_expert: c[1], per_pair: c[2] };
                 model = DispatchModel {
                     decode: lin(&p[..3]),
-                    grouped: lin(&p[3..]),
-                    fused: None,
+                    grouped: lin(&p[3..6]),
+                    fused: (p.len() == 9 && layer.fused_available().is_ok()).then(|| lin(&p[6..])),
                     one_token: None,
                     ..model
                 };

@@ -215,7 +215,8 @@ __device__ __forceinline__ void mma_rows(const uint4* __restrict__ w, const void
     }
 }
 
-// Up item (u, j) of expert e: its pairs in passes of NTOK tokens; mid rows of the pairs.
+// Up item (u, j) of expert e: the pass of its pairs from `pass` (at most NTOK, in NF token
+// fragments); mid rows of the pairs.
 template <int NF>
 __device__ __forceinline__ void up_pass(const FusedParams& p, const Routing& rt, int u, int j, int pass, float* gu) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -288,9 +289,9 @@ __device__ __forceinline__ void prefetch_down(const FusedParams& p, const Routin
 }
 
 // Down item: hidden rows [16 r, 16 r + 16). Warp w takes experts w, w + WARPS, ... in order and
-// adds each pair's weighted sums into its own token rows (ys [16][MAX_TOKENS]), one column of a
-// fragment at a time (two pairs of one expert may share a token); the block then sums the warps
-// in order: the result does not depend on timing.
+// adds each pair's weighted sums (expert u's pass from `pass`, in NF token fragments) into its own
+// token rows (ys [16][MAX_TOKENS]), one column of a fragment at a time (two pairs of one expert may
+// share a token); the block then sums the warps in order: the result does not depend on timing.
 template <int NF>
 __device__ __forceinline__ void down_expert(const FusedParams& p, const Routing& rt, int u, int pass, int r, float* ys) {
     const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -325,6 +326,9 @@ __device__ __forceinline__ void down_expert(const FusedParams& p, const Routing&
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_fused(const __grid_constant__ FusedParams params) {
     if (family_skipped(params.choice, FAMILY_FUSED)) return;
+    // An expert's pairs in passes of NTOK tokens, each in as few token fragments as cover it (1, 2
+    // or all NTOK / 8 of them): no pass reaches into the next one's pairs or past its NTOK columns.
+    constexpr int PASS_NF = NTOK / 8;
     extern __shared__ __align__(16) int smem[];
     dequant_setup();
     const FusedParams& p = params;
@@ -341,8 +345,8 @@ moe_fused(const __grid_constant__ FusedParams params) {
             const int u = it % rt.num_unique, j = it / rt.num_unique;
             for (int pass = 0; pass < rt.ucnt[u]; pass += NTOK) {
                 const int n = min(NTOK, rt.ucnt[u] - pass);
-                if (n > 16) up_pass<4>(p, rt, u, j, pass, work);
-                else if (n > 8) up_pass<2>(p, rt, u, j, pass, work);
+                if (PASS_NF > 2 && n > 16) up_pass<PASS_NF>(p, rt, u, j, pass, work);
+                else if (PASS_NF > 1 && n > 8) up_pass<PASS_NF < 2 ? PASS_NF : 2>(p, rt, u, j, pass, work);
                 else up_pass<1>(p, rt, u, j, pass, work);
             }
             // Publish the slice: every thread's stores, then one count.
@@ -363,8 +367,8 @@ moe_fused(const __grid_constant__ FusedParams params) {
                 __syncwarp();
                 for (int pass = 0; pass < rt.ucnt[u]; pass += NTOK) {
                     const int n = min(NTOK, rt.ucnt[u] - pass);
-                    if (n > 16) down_expert<4>(p, rt, u, pass, r, ys);
-                    else if (n > 8) down_expert<2>(p, rt, u, pass, r, ys);
+                    if (PASS_NF > 2 && n > 16) down_expert<PASS_NF>(p, rt, u, pass, r, ys);
+                    else if (PASS_NF > 1 && n > 8) down_expert<PASS_NF < 2 ? PASS_NF : 2>(p, rt, u, pass, r, ys);
                     else down_expert<1>(p, rt, u, pass, r, ys);
                 }
             }

@@ -167,3 +167,34 @@ fn down_items_in_one_block_or_split_over_two() {
         }
     }
 }
+
+/// Every pass width (`FusedTiles::ntok` 8 to 32), with ids repeated within tokens so that one
+/// expert holds up to 8 m pairs and runs several passes, the last of them partial. (With 24 tokens
+/// a pass, a pass of 17 to 24 pairs once ran four fragments: the fourth wrote past the pass's 24
+/// columns of gate / up sums and added the next pass's pairs in down.)
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_pass_width_with_repeated_ids() {
+    let dev = gpu();
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
+        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+        let w = random_weights(&spec, fresh_seed());
+        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
+        layer.set_validate_routing(false);
+        let base = moe_codegen::FusedTiles::for_spec(&spec);
+        for ntok in [8, 16, 24, 32] {
+            layer.set_fused_tiles(&dev, moe_codegen::FusedTiles { ntok, ..base }).unwrap();
+            for (m, skew) in [(1usize, 0.0), (6, 0.85), (8, 0.0), (12, 0.85), (16, 0.0), (23, 0.85), (64, 0.85)] {
+                let seed = fresh_seed();
+                let (x, mut ids, rw) = random_step(&spec, m, skew, seed);
+                // Every slot of every other token on one expert: up to 8 m pairs for expert 7.
+                for t in (0..m).step_by(2) {
+                    ids[t * 8..t * 8 + 8].fill(7);
+                }
+                let got = fused_step(&layer, &x, &ids, &rw, m % 2 == 0);
+                let what = format!("ntok={ntok} m={m} skew={skew} seed={seed}");
+                check(&spec, &got, &moe_forward(&spec, &w, &x, &ids, &rw), &what);
+            }
+        }
+    }
+}
