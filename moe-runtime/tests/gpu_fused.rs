@@ -8,7 +8,7 @@ use moe_runtime::cudarc::driver::CudaSlice;
 use moe_runtime::reference::{compare, moe_forward};
 use moe_runtime::testing::{fresh_seed, random_step, random_weights};
 use moe_runtime::timing::capture;
-use moe_runtime::{Device, MoeLayer};
+use moe_runtime::{Device, HostWeights, MoeLayer};
 
 type Bf = half::bf16;
 
@@ -140,6 +140,16 @@ fn fp16_step(layer: &MoeLayer, x: &[f32], ids: &[i32], rw: &[f32]) -> Vec<f32> {
     s.clone_dtoh(&y).unwrap().into_iter().map(|v| v.to_f32()).collect()
 }
 
+/// Qwen3-30B-A3B's geometry in `format` on fresh weights (routing unchecked, so tests may repeat
+/// or misplace ids), with the weights and the spec's default fused tiles.
+fn qwen3_layer(dev: &Device, format: WeightFormat) -> (MoeLayer, HostWeights, moe_codegen::FusedTiles) {
+    let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
+    let w = random_weights(&spec, fresh_seed());
+    let mut layer = MoeLayer::load(dev, spec, &w).unwrap();
+    layer.set_validate_routing(false);
+    (layer, w, moe_codegen::FusedTiles::for_spec(&spec))
+}
+
 /// The down items' experts in one block or split over two (`FusedTiles::down_split`), the second
 /// block to finish a row summing both halves: the same reference either way, graph replays bit
 /// for bit. The split runs where the grid holds two blocks an SM (fp8 on an H100 or H200) and
@@ -149,11 +159,8 @@ fn fp16_step(layer: &MoeLayer, x: &[f32], ids: &[i32], rw: &[f32]) -> Vec<f32> {
 fn down_items_in_one_block_or_split_over_two() {
     let dev = gpu();
     for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
-        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
-        let w = random_weights(&spec, fresh_seed());
-        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
-        layer.set_validate_routing(false);
-        let base = moe_codegen::FusedTiles::for_spec(&spec);
+        let (mut layer, w, base) = qwen3_layer(&dev, format);
+        let spec = *layer.spec();
         for down_split in [1, 2] {
             layer.set_fused_tiles(&dev, moe_codegen::FusedTiles { down_split, ..base }).unwrap();
             for (m, skew) in [(1usize, 0.0), (3, 0.85), (8, 0.85), (40, 0.0), (100, 0.85)] {
@@ -177,11 +184,8 @@ fn down_items_in_one_block_or_split_over_two() {
 fn every_pass_width_with_repeated_ids() {
     let dev = gpu();
     for format in [WeightFormat::Bf16, WeightFormat::Fp8E4m3] {
-        let spec = MoeSpec::builder(2048, 768, 128, 8).weight_format(format).build().unwrap();
-        let w = random_weights(&spec, fresh_seed());
-        let mut layer = MoeLayer::load(&dev, spec, &w).unwrap();
-        layer.set_validate_routing(false);
-        let base = moe_codegen::FusedTiles::for_spec(&spec);
+        let (mut layer, w, base) = qwen3_layer(&dev, format);
+        let spec = *layer.spec();
         for ntok in [8, 16, 24, 32] {
             layer.set_fused_tiles(&dev, moe_codegen::FusedTiles { ntok, ..base }).unwrap();
             for (m, skew) in [(1usize, 0.0), (6, 0.85), (8, 0.0), (12, 0.85), (16, 0.0), (23, 0.85), (64, 0.85)] {
