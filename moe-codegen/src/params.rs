@@ -42,6 +42,9 @@ pub struct DispatchPlanes {
     pub fused: [f32; 3],
     /// Whether the fused family is a candidate (1) or not (0).
     pub fused_on: i32,
+    /// Whether warp decode is a candidate (1) or not (0): where it is not, its kernels are not
+    /// launched, so the device must not choose it.
+    pub decode_on: i32,
 }
 
 impl std::fmt::Debug for TmaDesc {
@@ -466,12 +469,12 @@ mod tests {
 
     #[test]
     fn the_dispatch_planes_are_one_struct_for_both_choosers() {
-        // Ten 4-byte fields, read in place by moe_choose and moe_prepare alike.
-        assert_eq!((std::mem::size_of::<DispatchPlanes>(), std::mem::align_of::<DispatchPlanes>()), (40, 4));
+        // Eleven 4-byte fields, read in place by moe_choose and moe_prepare alike.
+        assert_eq!((std::mem::size_of::<DispatchPlanes>(), std::mem::align_of::<DispatchPlanes>()), (44, 4));
         for d in [ChooseParams::c_decl(), PrepareParams::c_decl()] {
             assert!(d.contains("    DispatchPlanes planes;\n"), "{d}");
             assert!(d.contains(" const DispatchPlanes& planes = p.planes;"), "{d}");
-            assert!(d.contains("::planes) == 40 && alignof(decltype("), "{d}");
+            assert!(d.contains("::planes) == 44 && alignof(decltype("), "{d}");
         }
         // moe_prepare's fields before the planes are 20 pointers and one int, padded.
         assert_eq!(std::mem::offset_of!(PrepareParams, planes), 160);

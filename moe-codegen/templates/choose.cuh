@@ -2,8 +2,9 @@
 // that a step needs no host synchronisation and can be captured in a graph. Each candidate's time
 // is modelled as c0 + cd * D + cp * P, D the distinct experts the step touches and P its valid
 // (token, expert) pairs (the planes come from a profile, or the host's analytic fallback). The
-// candidates: warp decode, the grouped GEMMs and, where the planes have it (fused_on), the fused
-// family; the least prediction wins, ties to the first of them. Every candidate family's kernels
+// candidates: warp decode and the fused family where the planes have them (decode_on, fused_on),
+// and the grouped GEMMs; the least prediction wins, ties to the first of warp decode, grouped,
+// fused. Every candidate family's kernels
 // are launched after the choice and all but the chosen one return at once (family_skipped).
 // out: {choice, D, P, 0, f32 bits of the decode, grouped and fused predictions}. The arithmetic
 // is unfused round-to-nearest, as the host evaluates the models. The planes: DispatchPlanes (the
@@ -18,9 +19,9 @@ __device__ __forceinline__ int decide_family(int pairs, int distinct, const Disp
     const float td = plane_at(planes.decode, d, p);
     const float tg = plane_at(planes.grouped, d, p);
     const float tf = plane_at(planes.fused, d, p);
-    int family = FAMILY_WARP_DECODE;
-    float best = td;
-    if (tg < best) family = FAMILY_GROUPED, best = tg;
+    int family = FAMILY_GROUPED;
+    float best = tg;
+    if (planes.decode_on && !(tg < td)) family = FAMILY_WARP_DECODE, best = td;
     if (planes.fused_on && tf < best) family = FAMILY_FUSED, best = tf;
     out[0] = family;
     out[1] = distinct;

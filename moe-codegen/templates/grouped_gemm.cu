@@ -108,7 +108,7 @@ struct alignas(64) TmaMap {
 // one-block moe_prepare.
 struct DispatchPlanes {
     float decode[3], grouped[3], fused[3];  // c0, per distinct expert, per pair (us)
-    int fused_on;
+    int fused_on, decode_on;
 };
 
 // Every kernel's parameter struct (moe_codegen::params: one declaration for Rust and C).

@@ -921,18 +921,21 @@ impl MoeLayer {
             None => {
                 tracing::debug!(m, "forward: the device chooses the family");
                 let model = self.dispatch.expect("a step the device dispatches has models");
-                let model = model.device_menu(m, self.kspec.top_k(), self.kspec.experts());
+                let menu = model.device_menu(m, self.kspec.top_k(), self.kspec.experts());
                 let g = self.grouped_path()?;
                 g.reserve_in(slot, stream, &self.kspec, m, self.deterministic)?;
                 let p = StepPtrs { choice: ptr(&self.choice, &self.stream), ..*p };
                 // One stream: the grouped kernels first (choosing), then warp decode's. Run on two
                 // streams (forked and joined) or in the other order, the dispatched steps measured
                 // the same within noise (H100, docs/dispatch.md).
-                g.forward_dispatched(stream, &self.kspec, m, &p, &model, self.deterministic, slot)?;
-                self.decode.forward(stream, &self.kspec, m, &p)?;
-                // The fused family where it is on the menu (`set_dispatch_model` keeps its model
-                // only where the layer has it; `device_menu` only where it can win).
-                if model.fused.is_some() {
+                g.forward_dispatched(stream, &self.kspec, m, &p, &menu, self.deterministic, slot)?;
+                // Warp decode and the fused family where they are on the menu (`device_menu`:
+                // only where they can win; `set_dispatch_model` keeps the fused model only where
+                // the layer has the family).
+                if menu.decode {
+                    self.decode.forward(stream, &self.kspec, m, &p)?;
+                }
+                if menu.model.fused.is_some() {
                     self.fused_family()?.forward(stream, &self.kspec, m, &p)?;
                 }
                 Ok(())

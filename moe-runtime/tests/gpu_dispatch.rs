@@ -223,6 +223,29 @@ fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
     assert_eq!(families, [KernelFamily::Fused, KernelFamily::WarpDecode, KernelFamily::Fused]);
 }
 
+/// Warp decode off the device's menu (its model never the least for 8 tokens): its kernels are not
+/// launched, and the device sends 8 tokens on 8 experts to the grouped GEMMs and 8 spread over
+/// 50-odd to the fused kernel, replay by replay of one graph.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_device_chooses_without_warp_decode_where_it_cannot_win() {
+    // 8 tokens: decode 320; grouped 3 an expert; fused 60 + 0.6 an expert, the least from 26
+    // experts on.
+    let model = DispatchModel {
+        decode: lin(0.0, 0.0, 5.0),
+        grouped: lin(0.0, 3.0, 0.0),
+        fused: Some(lin(60.0, 0.6, 0.0)),
+        one_token: None,
+        overhead_us: 0.0,
+        source: ModelSource::Profile,
+    };
+    let menu = model.device_menu(8, 8, 128);
+    assert!(!menu.decode && menu.model.fused.is_some(), "{menu:?}");
+    let (.., families) = replays(model, &[true, false, true, false]);
+    let (g, f) = (KernelFamily::GroupedGemm, KernelFamily::Fused);
+    assert_eq!(families, [g, f, g, f]);
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn one_graph_follows_the_routing_of_each_replay() {

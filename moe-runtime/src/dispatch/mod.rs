@@ -7,7 +7,9 @@ pub mod model;
 pub mod profile;
 pub mod wave;
 
-pub use model::{DispatchModel, LinearCost, ModelFitError, ModelSource, Sample, DEFAULT_OVERHEAD_US, DEVICE_MARGIN};
+pub use model::{
+    DeviceMenu, DispatchModel, LinearCost, ModelFitError, ModelSource, Sample, DEFAULT_OVERHEAD_US, DEVICE_MARGIN,
+};
 pub use profile::{profile, DispatchProfile, ProfileError};
 
 /// What the dispatcher chose for a step, as [`crate::MoeLayer::last_choice`] reads it back.

@@ -72,6 +72,31 @@ pub struct DispatchModel {
     pub source: ModelSource,
 }
 
+/// The families a step's device weighs ([`DispatchModel::device_menu`]): the grouped GEMMs,
+/// the fused family where `model` holds it, warp decode where `decode`. Only these launch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceMenu {
+    /// The models, the fused family's only where it is a candidate.
+    pub model: DispatchModel,
+    /// Whether warp decode is a candidate.
+    pub decode: bool,
+}
+
+impl DeviceMenu {
+    /// The planes as the device reads them.
+    pub fn planes(&self) -> DispatchPlanes {
+        let abc = |c: LinearCost| [c.c0, c.per_expert, c.per_pair];
+        let m = &self.model;
+        DispatchPlanes {
+            decode: abc(m.decode),
+            grouped: abc(m.grouped),
+            fused: m.fused.map_or([0.0; 3], abc),
+            fused_on: m.fused.is_some() as i32,
+            decode_on: self.decode as i32,
+        }
+    }
+}
+
 /// How much closer to the best (relative regret) the device's choice must be predicted than the
 /// host's for the host to defer to it: the profiles' `overhead_us` under-reads what a step the
 /// device chooses costs in a report's runs (docs/dispatch.md), and in a replay of the measured
@@ -143,15 +168,10 @@ impl DispatchModel {
         }
     }
 
-    /// The planes as the device reads them (`moe_choose`, a one-block `moe_prepare`).
+    /// The planes as the device reads them (`moe_choose`, a one-block `moe_prepare`), every
+    /// modelled family a candidate.
     pub fn planes(&self) -> DispatchPlanes {
-        let abc = |c: LinearCost| [c.c0, c.per_expert, c.per_pair];
-        DispatchPlanes {
-            decode: abc(self.decode),
-            grouped: abc(self.grouped),
-            fused: self.fused.map_or([0.0; 3], abc),
-            fused_on: self.fused.is_some() as i32,
-        }
+        DeviceMenu { model: *self, decode: true }.planes()
     }
 
     /// The family the device picks for `distinct` experts and `pairs` pairs, as `moe_choose`
@@ -161,23 +181,32 @@ impl DispatchModel {
         self.best(distinct, pairs)
     }
 
-    /// The candidates the device weighs for a step of `m` tokens: warp decode, the grouped GEMMs
-    /// and the fused family only where its model makes it the fastest for some number of experts
-    /// the step can touch (`top_k` to `min(m * top_k, experts)`, sampled). Elsewhere its kernel,
-    /// launched to return at once, would only add to the step.
-    pub fn device_menu(&self, m: usize, top_k: u32, experts: u32) -> DispatchModel {
+    /// The candidates the device weighs for a step of `m` tokens: the grouped GEMMs (whose front
+    /// makes the choice), and warp decode and the fused family only where their models make them
+    /// the fastest for some number of experts the step can touch (`top_k` to
+    /// `min(m * top_k, experts)`). Elsewhere their kernels, launched to return at once, would only
+    /// add to the step (warp decode's skipped gate_up most: docs/dispatch.md).
+    pub fn device_menu(&self, m: usize, top_k: u32, experts: u32) -> DeviceMenu {
         let pairs = (m as u64 * top_k as u64).min(u32::MAX as u64) as u32;
         let (few, most) = (top_k.min(pairs), pairs.min(experts));
-        let in_play = (0..=16u32).any(|i| {
-            let d = few + (most - few) * i / 16;
-            self.best(d, pairs) == KernelFamily::Fused
-        });
-        DispatchModel { fused: self.fused.filter(|_| in_play), ..*self }
+        let wins = |f: KernelFamily| (few..=most).any(|d| self.best(d, pairs) == f);
+        DeviceMenu {
+            model: DispatchModel { fused: self.fused.filter(|_| wins(KernelFamily::Fused)), ..*self },
+            decode: wins(KernelFamily::WarpDecode),
+        }
     }
 
     /// The least prediction over the modelled families.
     fn floor(&self, distinct: u32, pairs: u32) -> f32 {
-        self.candidates().map(|(_, c)| c.predict(distinct, pairs)).fold(f32::INFINITY, f32::min)
+        self.planes_floor(distinct, pairs, true)
+    }
+
+    /// The least prediction over the modelled families, warp decode only where `decode`.
+    fn planes_floor(&self, distinct: u32, pairs: u32, decode: bool) -> f32 {
+        self.candidates()
+            .filter(|&(f, _)| decode || f != KernelFamily::WarpDecode)
+            .map(|(_, c)| c.predict(distinct, pairs))
+            .fold(f32::INFINITY, f32::min)
     }
 
     /// The model without the fused family where `fused` is false (a layer without it).
@@ -243,7 +272,7 @@ impl DispatchModel {
             .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
             .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
         let menu = self.device_menu(m, top_k, experts);
-        let device_regret = regret(&|d| menu.floor(d, pairs) + self.overhead_us);
+        let device_regret = regret(&|d| menu.model.planes_floor(d, pairs, menu.decode) + self.overhead_us);
         (host_regret <= device_regret + DEVICE_MARGIN).then_some(host)
     }
 
@@ -371,11 +400,33 @@ mod tests {
         // 8 tokens, top-8 of 128: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert, the
         // least from 8 to 33 experts.
         let m = profiled(lin(0.0, 0.0, 0.5), lin(0.0, 3.0, 0.0), Some(lin(12.0, 0.6, 0.0)), 0.0);
-        assert_eq!(m.device_menu(8, 8, 128).fused, m.fused);
+        assert_eq!(m.device_menu(8, 8, 128).model.fused, m.fused);
         // A fused constant above every other prediction: off the menu.
         let slow = DispatchModel { fused: Some(lin(500.0, 0.0, 0.0)), ..m };
-        assert_eq!(slow.device_menu(8, 8, 128).fused, None);
-        assert_eq!(slow.device_menu(8, 8, 128).decode, slow.decode);
+        assert_eq!(slow.device_menu(8, 8, 128).model.fused, None);
+        assert_eq!(slow.device_menu(8, 8, 128).model.decode, slow.decode);
+        assert_eq!(slow.device_menu(8, 8, 128).planes().fused_on, 0);
+    }
+
+    #[test]
+    fn warp_decode_is_on_the_device_menu_only_where_it_can_win() {
+        // As above: warp decode (32) is the least from 34 experts on, the fused kernel below.
+        let m = profiled(lin(0.0, 0.0, 0.5), lin(0.0, 3.0, 0.0), Some(lin(12.0, 0.6, 0.0)), 0.0);
+        let menu = m.device_menu(8, 8, 128);
+        assert!(menu.decode && menu.model.fused.is_some());
+        assert_eq!((menu.planes().decode_on, menu.planes().fused_on), (1, 1));
+        // Least only at one count of experts (32 against the fused kernel's 32.4 at 34, from
+        // the grouped GEMMs' 102): still a candidate.
+        let edge = DispatchModel { fused: Some(lin(12.0, 0.6, 0.0)), decode: lin(31.99, 0.0, 0.0), ..m };
+        assert!(edge.device_menu(8, 8, 34).decode);
+        // Above the least at every count the step can touch: not launched, not chosen.
+        // (The fused kernel from 26 experts on, the grouped GEMMs below.)
+        let slow = DispatchModel { decode: lin(0.0, 0.0, 5.0), fused: Some(lin(60.0, 0.6, 0.0)), ..m };
+        let menu = slow.device_menu(8, 8, 128);
+        assert!(!menu.decode && menu.model.fused.is_some());
+        assert_eq!(menu.planes().decode_on, 0);
+        // The host weighs what the device then picks from: the fused kernel and the grouped GEMMs.
+        assert_eq!(slow.fixed_choice(8, 8, 128), None, "a free device choice between two families");
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! (`GemmTiles::max_tiles`), so the step needs no host synchronisation and can be captured.
 
 use crate::device::Device;
-use crate::dispatch::DispatchModel;
+use crate::dispatch::DeviceMenu;
 use crate::error::{Result, RuntimeError};
 use crate::families::{Part, ScratchSlot, StepPtrs};
 use crate::launch::{cooperative_attrs, launch_attrs, max_active_clusters, ptr, Kernel};
@@ -295,11 +295,11 @@ impl GroupedPath {
         spec: &MoeSpec,
         m: usize,
         p: &StepPtrs,
-        model: &DispatchModel,
+        menu: &DeviceMenu,
         deterministic: bool,
         slot: ScratchSlot,
     ) -> Result<()> {
-        let planes = model.planes();
+        let planes = menu.planes();
         if self.solo(m) && p.logits == 0 {
             return self.forward_part(stream, spec, m, p, deterministic, slot, Part::Whole, Some(planes));
         }
