@@ -120,14 +120,7 @@ fn the_device_chooses_for_steps_of_several_alignment_blocks() {
     layer.set_validate_routing(false);
     layer.set_prefill_threshold(64);
     // 320 pairs: decode 320, grouped 4 an expert (least up to 80 experts).
-    let model = DispatchModel {
-        decode: lin(0.0, 0.0, 1.0),
-        grouped: lin(0.0, 4.0, 0.0),
-        fused: None,
-        one_token: None,
-        overhead_us: 0.0,
-        source: ModelSource::Profile,
-    };
+    let model = planes(lin(0.0, 0.0, 1.0), lin(0.0, 4.0, 0.0), None);
     layer.set_dispatch_model(Some(model));
     let m = 40;
     layer.reserve(m).unwrap();
@@ -204,6 +197,11 @@ fn lin(c0: f32, per_expert: f32, per_pair: f32) -> LinearCost {
     LinearCost { c0, per_expert, per_pair }
 }
 
+/// Hand-set models that leave choosing free (no overhead, no one-token choice).
+fn planes(decode: LinearCost, grouped: LinearCost, fused: Option<LinearCost>) -> DispatchModel {
+    DispatchModel { decode, grouped, fused, one_token: None, overhead_us: 0.0, source: ModelSource::Profile }
+}
+
 /// The fused family on the device's menu: the device sends 8 tokens on 8 experts to the fused
 /// kernel and 8 spread over 50-odd to warp decode, replay by replay of one graph.
 #[test]
@@ -211,14 +209,7 @@ fn lin(c0: f32, per_expert: f32, per_pair: f32) -> LinearCost {
 fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
     // 8 tokens: decode 32; grouped 3 an expert; fused 12 + 0.6 an expert. On 8 experts the
     // fused kernel is least (16.8), from 34 experts on warp decode.
-    let model = DispatchModel {
-        decode: lin(0.0, 0.0, 0.5),
-        grouped: lin(0.0, 3.0, 0.0),
-        fused: Some(lin(12.0, 0.6, 0.0)),
-        one_token: None,
-        overhead_us: 0.0,
-        source: ModelSource::Profile,
-    };
+    let model = planes(lin(0.0, 0.0, 0.5), lin(0.0, 3.0, 0.0), Some(lin(12.0, 0.6, 0.0)));
     let (.., families) = replays(model, &[true, false, true]);
     assert_eq!(families, [KernelFamily::Fused, KernelFamily::WarpDecode, KernelFamily::Fused]);
 }
@@ -231,14 +222,7 @@ fn the_device_chooses_the_fused_family_where_it_is_predicted_least() {
 fn the_device_chooses_without_warp_decode_where_it_cannot_win() {
     // 8 tokens: decode 320; grouped 3 an expert; fused 60 + 0.6 an expert, the least from 26
     // experts on.
-    let model = DispatchModel {
-        decode: lin(0.0, 0.0, 5.0),
-        grouped: lin(0.0, 3.0, 0.0),
-        fused: Some(lin(60.0, 0.6, 0.0)),
-        one_token: None,
-        overhead_us: 0.0,
-        source: ModelSource::Profile,
-    };
+    let model = planes(lin(0.0, 0.0, 5.0), lin(0.0, 3.0, 0.0), Some(lin(60.0, 0.6, 0.0)));
     let menu = model.device_menu(8, 8, 128);
     assert!(!menu.decode && menu.model.fused.is_some(), "{menu:?}");
     let (.., families) = replays(model, &[true, false, true, false]);
@@ -251,14 +235,7 @@ fn the_device_chooses_without_warp_decode_where_it_cannot_win() {
 fn one_graph_follows_the_routing_of_each_replay() {
     // Decode costs a pair, grouped two an expert: 8 tokens on 8 experts go grouped, spread over
     // 50-odd experts they go to warp decode.
-    let model = DispatchModel {
-        decode: lin(0.0, 0.0, 1.0),
-        grouped: lin(0.0, 2.0, 0.0),
-        fused: None,
-        one_token: None,
-        overhead_us: 0.0,
-        source: ModelSource::Profile,
-    };
+    let model = planes(lin(0.0, 0.0, 1.0), lin(0.0, 2.0, 0.0), None);
     let (mut layer, w, x, rw, few, families) = replays(model, &[false, true, false, true]);
     assert_eq!(
         families,
