@@ -166,7 +166,7 @@ impl EpLayer {
     /// This rank's experts on its own tokens, reading `x` (the step's, again) in place: nothing
     /// travels for them, so this may run while the transfers are in flight, anywhere between
     /// `dispatch_send` and `combine_recv`. Where the shared experts run apart
-    /// ([`EpConfig::shared_apart_tokens`]), both launches back to back (`forward` puts the second
+    /// ([`EpConfig::shared_apart_tokens`](super::EpConfig::shared_apart_tokens)), both launches back to back (`forward` puts the second
     /// under the combine's transfer).
     pub fn run_local_experts<T: ActElem>(&mut self, x: DeviceTensor<'_, T>) -> Result<(), EpError> {
         if !matches!(self.step.stage, Stage::Sent | Stage::Received | Stage::Returning) {
