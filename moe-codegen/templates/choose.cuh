@@ -4,8 +4,8 @@
 // (token, expert) pairs (the planes come from a profile, or the host's analytic fallback). The
 // candidates: warp decode and the fused family where the planes have them (decode_on, fused_on),
 // and the grouped GEMMs; the least prediction wins, ties to the first of warp decode, grouped,
-// fused. Every candidate family's kernels
-// are launched after the choice and all but the chosen one return at once (family_skipped).
+// fused. Every candidate family's kernels are launched after the choice and all but the chosen
+// one return at once (family_skipped).
 // out: {choice, D, P, 0, f32 bits of the decode, grouped and fused predictions}. The arithmetic
 // is unfused round-to-nearest, as the host evaluates the models. The planes: DispatchPlanes (the
 // module's head).

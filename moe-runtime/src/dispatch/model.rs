@@ -95,6 +95,15 @@ impl DeviceMenu {
             decode_on: self.decode as i32,
         }
     }
+
+    /// The least prediction among the menu's families.
+    fn floor(&self, distinct: u32, pairs: u32) -> f32 {
+        self.model
+            .candidates()
+            .filter(|&(f, _)| self.decode || f != KernelFamily::WarpDecode)
+            .map(|(_, c)| c.predict(distinct, pairs))
+            .fold(f32::INFINITY, f32::min)
+    }
 }
 
 /// How much closer to the best (relative regret) the device's choice must be predicted than the
@@ -198,15 +207,7 @@ impl DispatchModel {
 
     /// The least prediction over the modelled families.
     fn floor(&self, distinct: u32, pairs: u32) -> f32 {
-        self.planes_floor(distinct, pairs, true)
-    }
-
-    /// The least prediction over the modelled families, warp decode only where `decode`.
-    fn planes_floor(&self, distinct: u32, pairs: u32, decode: bool) -> f32 {
-        self.candidates()
-            .filter(|&(f, _)| decode || f != KernelFamily::WarpDecode)
-            .map(|(_, c)| c.predict(distinct, pairs))
-            .fold(f32::INFINITY, f32::min)
+        self.candidates().map(|(_, c)| c.predict(distinct, pairs)).fold(f32::INFINITY, f32::min)
     }
 
     /// The model without the fused family where `fused` is false (a layer without it).
@@ -272,7 +273,7 @@ impl DispatchModel {
             .map(|(f, c)| (f, regret(&|d| c.predict(d, pairs))))
             .fold((usual, regret(&|d| self.model_of(usual).predict(d, pairs))), |b, c| if c.1 < b.1 { c } else { b });
         let menu = self.device_menu(m, top_k, experts);
-        let device_regret = regret(&|d| menu.model.planes_floor(d, pairs, menu.decode) + self.overhead_us);
+        let device_regret = regret(&|d| menu.floor(d, pairs) + self.overhead_us);
         (host_regret <= device_regret + DEVICE_MARGIN).then_some(host)
     }
 
