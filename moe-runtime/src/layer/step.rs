@@ -21,9 +21,7 @@ impl MoeLayer {
         topk_weights: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let s = &self.stream;
-        let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, None, x, ids.into(), w, DeviceTensorMut::new(y, s), true, StepAt::WHOLE)
+        self.forward_slices(None, x, topk_ids, topk_weights, y)
     }
 
     /// [`MoeLayer::forward`] with the family named.
@@ -35,9 +33,21 @@ impl MoeLayer {
         topk_weights: &CudaSlice<f32>,
         y: &mut CudaSlice<T>,
     ) -> Result<()> {
+        self.forward_slices(Some(family), x, topk_ids, topk_weights, y)
+    }
+
+    /// A whole step on the layer's stream from its own slices, on `family` or as dispatched.
+    fn forward_slices<T: ActElem>(
+        &self,
+        family: Option<KernelFamily>,
+        x: &CudaSlice<T>,
+        topk_ids: &CudaSlice<i32>,
+        topk_weights: &CudaSlice<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<()> {
         let s = &self.stream;
         let (x, ids, w) = (DeviceTensor::new(x, s), DeviceTensor::new(topk_ids, s), DeviceTensor::new(topk_weights, s));
-        self.step(s, Some(family), x, ids.into(), w, DeviceTensorMut::new(y, s), true, StepAt::WHOLE)
+        self.step(s, family, x, ids.into(), w, DeviceTensorMut::new(y, s), true, StepAt::WHOLE)
     }
 
     /// [`MoeLayer::forward`] on memory and a stream the caller owns: `x [M, H]` and `y [M, H]` in
